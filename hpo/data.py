@@ -1,0 +1,197 @@
+"""Readers and writers for the standard MNIST and CIFAR-10 files, numpy only.
+
+Trial scripts call :func:`load_mnist` and :func:`load_cifar10` on the scenario's
+``data_dir``; nothing is ever downloaded. Both return Keras-style
+``(train_images, train_labels), (test_images, test_labels)`` with uint8 images
+(MNIST ``N x 28 x 28``, CIFAR-10 ``N x 3 x 32 x 32``) and int64 labels. Missing or
+malformed files raise :class:`~hpo.errors.InputError` with a one-line message that names
+the files expected and where to put them.
+
+The writers produce the very same formats, so tests can build small synthetic data sets.
+This module must stay cheap to import: trial scripts import it.
+"""
+from __future__ import annotations
+
+import gzip
+import pickle
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from hpo.errors import InputError
+
+Split = tuple[np.ndarray, np.ndarray]
+
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+_IDX_UBYTE = 0x08
+_MNIST_HELP = "download them from the MNIST site (.gz files are fine) and place them there"
+
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR10_TEST_BATCH = "test_batch"
+_CIFAR10_HELP = (f"download the CIFAR-10 python version and extract {CIFAR10_FOLDER} "
+                 "there (or point data_dir at that folder)")
+# The only globals a CIFAR-10 batch may reference: numpy array reconstruction, and the
+# bytes constructor that protocol-2 pickles written by Python 3 use.
+_CIFAR10_PICKLE_GLOBALS = frozenset({
+    ("_codecs", "encode"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+})
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+def _find_mnist_file(directory: Path, name: str) -> Path | None:
+    for candidate in (directory / name, directory / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one unsigned-byte IDX file (plain or ``.gz``) into a uint8 array of its shape.
+
+    Raises InputError when the file is not an unsigned-byte IDX file or is truncated.
+    """
+    with _open(path) as stream:
+        raw = stream.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE:
+        raise InputError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    expected = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - header != expected:
+        raise InputError(f"{path} holds {len(raw) - header} bytes of data; "
+                         f"its header {shape} says {expected}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load_mnist(data_dir: str | Path) -> tuple[Split, Split]:
+    """Read the four MNIST IDX files (each plain or ``.gz``) from ``data_dir``.
+
+    Returns ``(train_images, train_labels), (test_images, test_labels)``: uint8 images of
+    shape ``N x 28 x 28`` and int64 labels.
+    """
+    directory = Path(data_dir)
+    found = {name: _find_mnist_file(directory, name) for name in MNIST_FILES}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        raise InputError(f"MNIST data not found: expected {', '.join(missing)} in {directory} "
+                         f"({_MNIST_HELP})")
+    arrays = {name: read_idx(path) for name, path in found.items() if path is not None}
+    splits = []
+    for prefix in ("train", "t10k"):
+        images = arrays[f"{prefix}-images-idx3-ubyte"]
+        labels = arrays[f"{prefix}-labels-idx1-ubyte"].astype(np.int64)
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise InputError(f"MNIST {prefix} files in {directory} do not match: images "
+                             f"{images.shape}, labels {labels.shape}")
+        splits.append((images, labels))
+    return splits[0], splits[1]
+
+
+def write_mnist_idx(directory: str | Path, images: np.ndarray, labels: np.ndarray,
+                    train: bool, compress: bool = False) -> list[Path]:
+    """Write ``images`` (uint8, N x H x W) and ``labels`` as MNIST IDX files into ``directory``.
+
+    The files are named as MNIST's ``train-*`` (``train=True``) or ``t10k-*`` files, with
+    ``.gz`` appended when ``compress``; returns their paths.
+    """
+    prefix = "train" if train else "t10k"
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for kind, array in (("images-idx3-ubyte", images), ("labels-idx1-ubyte", labels)):
+        data = np.ascontiguousarray(array, dtype=np.uint8)
+        header = bytes([0, 0, _IDX_UBYTE, data.ndim]) + np.asarray(data.shape, ">u4").tobytes()
+        path = directory / f"{prefix}-{kind}{'.gz' if compress else ''}"
+        with (gzip.open(path, "wb") if compress else path.open("wb")) as stream:
+            stream.write(header + data.tobytes())
+        paths.append(path)
+    return paths
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles CIFAR-10 batches and refuses any global other than numpy arrays."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve only the numpy array globals that batch files use."""
+        if (module, name) not in _CIFAR10_PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _read_cifar10_batch(path: Path) -> Split:
+    try:
+        with path.open("rb") as stream:
+            batch = _BatchUnpickler(stream, encoding="bytes").load()
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{path} is not a CIFAR-10 python batch: {exc}") from exc
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
+        raise InputError(f"{path} holds data {data.shape} and labels {labels.shape}; "
+                         "expected N x 3072 and N")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def load_cifar10(data_dir: str | Path) -> tuple[Split, Split]:
+    """Read CIFAR-10's python batches from ``data_dir`` or its ``cifar-10-batches-py`` folder.
+
+    Returns ``(train_images, train_labels), (test_images, test_labels)``: uint8 images of
+    shape ``N x 3 x 32 x 32`` (50,000 and 10,000 for the real set) and int64 labels.
+    """
+    given = Path(data_dir)
+    directory = given / CIFAR10_FOLDER if (given / CIFAR10_FOLDER).is_dir() else given
+    names = (*CIFAR10_TRAIN_BATCHES, CIFAR10_TEST_BATCH)
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise InputError(f"CIFAR-10 data not found: expected {', '.join(missing)} in "
+                         f"{directory} ({_CIFAR10_HELP})")
+    train = [_read_cifar10_batch(directory / name) for name in CIFAR10_TRAIN_BATCHES]
+    test = _read_cifar10_batch(directory / CIFAR10_TEST_BATCH)
+    train_images = np.concatenate([images for images, _ in train])
+    train_labels = np.concatenate([labels for _, labels in train])
+    return (train_images, train_labels), test
+
+
+def write_cifar10_batches(directory: str | Path, images: np.ndarray, labels: np.ndarray,
+                          train: bool) -> list[Path]:
+    """Write ``images`` (uint8, N x 3 x 32 x 32) and ``labels`` as CIFAR-10 python batches.
+
+    ``train=True`` splits them over ``data_batch_1`` .. ``data_batch_5``; ``train=False``
+    writes ``test_batch``. The files go into ``directory`` itself; returns their paths.
+    """
+    images = np.ascontiguousarray(images, dtype=np.uint8)
+    if images.ndim != 4 or images.shape[1:] != (3, 32, 32) or len(images) != len(labels):
+        raise ValueError(f"expected N x 3 x 32 x 32 images and N labels, got {images.shape} "
+                         f"and {np.shape(labels)}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = CIFAR10_TRAIN_BATCHES if train else (CIFAR10_TEST_BATCH,)
+    chunks = np.array_split(np.arange(len(images)), len(names))
+    paths = []
+    for number, (name, rows) in enumerate(zip(names, chunks), start=1):
+        batch = {
+            b"batch_label": f"{'training' if train else 'testing'} batch {number}".encode(),
+            b"labels": [int(label) for label in np.asarray(labels)[rows]],
+            b"data": images[rows].reshape(len(rows), -1),
+            b"filenames": [f"image_{row:05d}.png".encode() for row in rows],
+        }
+        path = directory / name
+        with path.open("wb") as stream:
+            pickle.dump(batch, stream, protocol=2)
+        paths.append(path)
+    return paths

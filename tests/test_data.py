@@ -1,0 +1,158 @@
+"""Round trips of the MNIST and CIFAR-10 writers and readers in the real file formats."""
+from __future__ import annotations
+
+import gzip
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpo.data import (
+    CIFAR10_FOLDER,
+    MNIST_FILES,
+    load_cifar10,
+    load_mnist,
+    read_idx,
+    write_cifar10_batches,
+    write_mnist_idx,
+)
+from hpo.errors import InputError
+
+
+def _images(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(0, 256, size=shape, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_mnist_round_trip(tmp_path: Path, compress: bool) -> None:
+    rng = np.random.default_rng(0)
+    train_x, train_y = _images(rng, (7, 28, 28)), rng.integers(0, 10, 7)
+    test_x, test_y = _images(rng, (3, 28, 28)), rng.integers(0, 10, 3)
+    write_mnist_idx(tmp_path, train_x, train_y, train=True, compress=compress)
+    write_mnist_idx(tmp_path, test_x, test_y, train=False, compress=compress)
+
+    (got_train_x, got_train_y), (got_test_x, got_test_y) = load_mnist(tmp_path)
+
+    np.testing.assert_array_equal(got_train_x, train_x)
+    np.testing.assert_array_equal(got_train_y, train_y)
+    np.testing.assert_array_equal(got_test_x, test_x)
+    np.testing.assert_array_equal(got_test_y, test_y)
+    assert got_train_x.dtype == np.uint8 and got_train_y.dtype == np.int64
+
+
+def test_idx_header_is_the_published_layout(tmp_path: Path) -> None:
+    images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
+    write_mnist_idx(tmp_path, images, np.array([3, 4]), train=True)
+
+    raw = (tmp_path / "train-images-idx3-ubyte").read_bytes()
+    labels = (tmp_path / "train-labels-idx1-ubyte").read_bytes()
+
+    assert raw[:16] == bytes.fromhex("00000803" "00000002" "0000001c" "0000001c")
+    assert raw[16:] == images.tobytes()
+    assert labels == bytes.fromhex("00000801" "00000002" "0304")
+
+
+def test_mnist_accepts_a_mix_of_plain_and_gzipped_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    write_mnist_idx(tmp_path, _images(rng, (2, 28, 28)), [0, 1], train=True, compress=True)
+    write_mnist_idx(tmp_path, _images(rng, (2, 28, 28)), [2, 3], train=False)
+
+    (_, train_y), (_, test_y) = load_mnist(tmp_path)
+
+    assert train_y.tolist() == [0, 1] and test_y.tolist() == [2, 3]
+
+
+def test_missing_mnist_names_the_files_and_the_folder(tmp_path: Path) -> None:
+    write_mnist_idx(tmp_path, np.zeros((1, 28, 28), np.uint8), [0], train=True)
+
+    with pytest.raises(InputError) as caught:
+        load_mnist(tmp_path)
+
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("MNIST data not found: expected t10k-images-idx3-ubyte, "
+                              "t10k-labels-idx1-ubyte in ")
+    assert str(tmp_path) in message and "place them there" in message
+
+
+def test_missing_mnist_folder_lists_every_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="MNIST data not found") as caught:
+        load_mnist(tmp_path / "nowhere")
+
+    assert all(name in str(caught.value) for name in MNIST_FILES)
+
+
+def test_a_file_that_is_not_idx_is_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as stream:
+        stream.write(b"<html>not found</html>")
+
+    with pytest.raises(InputError, match="bad magic number"):
+        read_idx(path)
+
+
+def test_a_truncated_idx_file_is_bad_input(tmp_path: Path) -> None:
+    write_mnist_idx(tmp_path, np.zeros((2, 28, 28), np.uint8), [0, 1], train=True)
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-5])
+
+    with pytest.raises(InputError, match="says 1568"):
+        read_idx(path)
+
+
+def _write_cifar10(directory: Path, n_train: int, n_test: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(2)
+    train_x, train_y = _images(rng, (n_train, 3, 32, 32)), rng.integers(0, 10, n_train)
+    test_x, test_y = _images(rng, (n_test, 3, 32, 32)), rng.integers(0, 10, n_test)
+    write_cifar10_batches(directory, train_x, train_y, train=True)
+    write_cifar10_batches(directory, test_x, test_y, train=False)
+    return train_x, train_y, test_x, test_y
+
+
+@pytest.mark.parametrize("point_at", ["folder", "parent"])
+def test_cifar10_round_trip(tmp_path: Path, point_at: str) -> None:
+    folder = tmp_path / CIFAR10_FOLDER
+    train_x, train_y, test_x, test_y = _write_cifar10(folder, n_train=12, n_test=4)
+
+    data_dir = folder if point_at == "folder" else tmp_path
+    (got_train_x, got_train_y), (got_test_x, got_test_y) = load_cifar10(data_dir)
+
+    np.testing.assert_array_equal(got_train_x, train_x)
+    np.testing.assert_array_equal(got_train_y, train_y)
+    np.testing.assert_array_equal(got_test_x, test_x)
+    np.testing.assert_array_equal(got_test_y, test_y)
+    assert got_train_y.dtype == np.int64
+
+
+def test_cifar10_batches_are_the_published_layout(tmp_path: Path) -> None:
+    images = np.zeros((10, 3, 32, 32), np.uint8)
+    images[:, 1] = 7
+    write_cifar10_batches(tmp_path, images, np.arange(10), train=True)
+
+    with (tmp_path / "data_batch_2").open("rb") as stream:
+        batch = pickle.load(stream, encoding="bytes")
+
+    assert batch[b"labels"] == [2, 3]
+    assert batch[b"data"].shape == (2, 3072) and batch[b"data"].dtype == np.uint8
+    assert (batch[b"data"][:, 1024:2048] == 7).all() and (batch[b"data"][:, :1024] == 0).all()
+
+
+def test_missing_cifar10_names_the_files_and_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as caught:
+        load_cifar10(tmp_path)
+
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("CIFAR-10 data not found: expected data_batch_1, ")
+    assert "test_batch" in message and str(tmp_path) in message
+    assert CIFAR10_FOLDER in message
+
+
+def test_a_cifar10_batch_that_pickles_other_objects_is_refused(tmp_path: Path) -> None:
+    _write_cifar10(tmp_path, n_train=5, n_test=1)
+    with (tmp_path / "test_batch").open("wb") as stream:
+        pickle.dump({b"data": Path("x"), b"labels": [0]}, stream)
+
+    with pytest.raises(InputError, match="test_batch is not a CIFAR-10 python batch"):
+        load_cifar10(tmp_path)
