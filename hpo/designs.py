@@ -1,0 +1,125 @@
+"""Designs of experiments: the whole list of points, computed before any trial runs.
+
+:func:`design_points` returns every point of a design method (``monte_carlo``, ``sobol``,
+``lhs``, ``grid``, ``csv``) as parameter dicts, or None for model-based methods, which
+propose points one at a time. The engine enqueues the points in the study, so whichever
+worker asks next takes the next point. Random designs are seeded and prefix-stable
+(Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpo import space
+from hpo.errors import InputError
+from hpo.scenario import DESIGN_METHODS, Scenario
+
+Point = dict[str, Any]
+
+
+def _unit_points(method: str, count: int, dims: int, seed: int) -> np.ndarray:
+    if dims == 0:
+        return np.zeros((count, 0))
+    if method == "monte_carlo":
+        return np.random.default_rng(seed).random((count, dims))
+    from scipy.stats import qmc
+
+    if method == "sobol":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return qmc.Sobol(dims, scramble=True, seed=seed).random(count)
+    return qmc.LatinHypercube(dims, seed=seed).random(count)
+
+
+def grid_points(scenario: Scenario) -> list[Point]:
+    """The Cartesian product of every parameter's grid values, conditions applied."""
+    names = list(scenario.parameters)
+    axes = [space.grid_values(name, p) for name, p in scenario.parameters.items()]
+    seen: set[tuple[Any, ...]] = set()
+    points: list[Point] = []
+    for combo in itertools.product(*axes):
+        values: Point = {}
+        for name, value in zip(names, combo):
+            if space.is_active(scenario.parameters[name], values):
+                values[name] = value
+        key = tuple(sorted(values.items(), key=lambda item: item[0]))
+        if key not in seen:
+            seen.add(key)
+            points.append(values)
+    return points
+
+
+def csv_points(scenario: Scenario) -> list[Point]:
+    """Rows of the design CSV as points; every cell is validated before anything runs.
+
+    The header must name every free parameter (constants may be left out) and nothing
+    else. A conditional parameter's cell may be empty when its condition does not hold.
+    """
+    path = Path(scenario.search.csv or "")
+    if not path.is_file():
+        raise InputError(f"search.csv: design file {path} not found")
+    with path.open(newline="") as handle:
+        rows = list(csv.reader(handle))
+    rows = [row for row in rows if any(cell.strip() for cell in row)]
+    if not rows:
+        raise InputError(f"{path.name}: the design CSV is empty")
+    header = [cell.strip() for cell in rows[0]]
+    params = scenario.parameters
+    unknown = [name for name in header if name not in params]
+    if unknown:
+        raise InputError(f"{path.name}: column {unknown[0]} is not a parameter of the scenario")
+    if len(set(header)) != len(header):
+        raise InputError(f"{path.name}: a column name appears twice in the header")
+    missing = [name for name in space.free_parameters(params) if name not in header]
+    if missing:
+        raise InputError(f"{path.name}: no column for parameter {missing[0]}")
+    if len(rows) == 1:
+        raise InputError(f"{path.name}: the design CSV has a header but no rows")
+    points = []
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise InputError(f"{path.name} line {line}: {len(row)} values for {len(header)} columns")
+        cells = dict(zip(header, row))
+        values: Point = {}
+        for name, p in params.items():
+            if not space.is_active(p, values):
+                continue
+            text = cells.get(name, str(p.value) if p.type == "constant" else "")
+            try:
+                values[name] = space.coerce(name, p, text)
+            except ValueError as exc:
+                raise InputError(f"{path.name} line {line}, column {name}: {exc}") from None
+        points.append(values)
+    return points
+
+
+def design_points(scenario: Scenario) -> list[Point] | None:
+    """All points of the scenario's design, ``search.trials`` of them; None if model-based."""
+    method = scenario.search.method
+    if method not in DESIGN_METHODS:
+        return None
+    wanted = scenario.search.trials
+    if method in ("csv", "grid"):
+        points = csv_points(scenario) if method == "csv" else grid_points(scenario)
+        if wanted is not None and wanted > len(points):
+            raise InputError(f"search.trials: {wanted} trials exceed the {len(points)} points of the {method} design")
+        return points[:wanted] if wanted else points
+    assert wanted is not None
+    free = space.free_parameters(scenario.parameters)
+    units = _unit_points(method, wanted, len(free), scenario.search.seed)
+    return [space.from_unit(scenario.parameters, row) for row in units]
+
+
+def total_trials(scenario: Scenario) -> int:
+    """The study's budget: ``search.trials``, or the number of CSV/grid points."""
+    if scenario.search.trials is not None:
+        return scenario.search.trials
+    points = design_points(scenario)
+    assert points is not None
+    return len(points)

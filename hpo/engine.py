@@ -1,0 +1,345 @@
+"""The sweep: ask the store for a trial, render its folder, launch it, parse it, tell the store.
+
+Each task slot is a thread that loops ask → render → launch → parse → tell, so a slot that
+frees up takes the next trial at once (no batch barrier). Asking happens under the store's
+ask lock, where the budget (``search.trials`` for the whole study) is checked, so workers
+on any number of machines never run more. Every trial ends as a recorded value — COMPLETE,
+FAIL, PRUNED, or STOPPED / TIMEOUT with a reason — never as an exception that escapes the
+loop. A watchdog thread beats each running trial's heartbeat and picks up stop requests;
+trials whose worker died (stale heartbeat) are failed, their processes killed, and retried
+as ``search.retry_failed`` says.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import optuna
+from optuna.trial import FrozenTrial, Trial, TrialState
+
+from hpo import designs, space
+from hpo.errors import InputError
+from hpo.launch import Slot, build_argv, kill_by_token, run_process, trial_env
+from hpo.render import LOG_FILE, Renderer, trial_folder
+from hpo.results import MetricParser, judge
+from hpo.samplers import make_pruner, make_sampler
+from hpo.scenario import Scenario
+from hpo.store import (ATTR, STUDY_DESIGN_COUNT, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF, SYS_STOP,
+                       ask_lock, counted_trials, open_study)
+
+WATCH_INTERVAL_S = 1.0
+STALE_AFTER_BEATS = 3
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@dataclass(frozen=True)
+class TrialStart:
+    """A trial that a slot just launched."""
+
+    number: int
+    params: Mapping[str, Any]
+    slot: int
+    folder: Path
+
+
+@dataclass(frozen=True)
+class TrialEnd:
+    """How a trial ended, as recorded in the store."""
+
+    number: int
+    state: str
+    value: float | None
+    held_out: Mapping[str, float]
+    duration_s: float
+    reason: str
+
+
+class Observer(Protocol):
+    """Receives sweep events (the progress display); called from slot threads."""
+
+    def started(self, start: TrialStart) -> None: ...
+
+    def finished(self, end: TrialEnd) -> None: ...
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Where and how this worker runs the scenario's sweep."""
+
+    scenario: Scenario
+    storage: str
+    workdir: Path
+    slots: tuple[Slot, ...]
+    seed: int
+    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+
+@dataclass
+class _Running:
+    trial: Trial
+    token: str
+    end_request: str | None = None
+
+
+def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | None) -> None:
+    """Render a trial's templates in memory (the first design point, or the middle of the
+    space); raise InputError for an undefined variable before any trial runs."""
+    scenario = renderer.scenario
+    sample = design[0] if design else space.from_unit(
+        scenario.parameters, [0.5] * len(space.free_parameters(scenario.parameters)))
+    renderer.render_texts(0, trial_folder(workdir, 0), sample)
+
+
+class Sweep:
+    """Runs one worker's share of a study until the study's budget is spent."""
+
+    def __init__(self, config: SweepConfig) -> None:
+        self.config = config
+        self._scenario = config.scenario
+        self._observer: Observer | None = None
+        self._renderer = Renderer(self._scenario)
+        self._budget = designs.total_trials(self._scenario)
+        self._design = designs.design_points(self._scenario)
+        self._study = open_study(self._scenario, config.storage,
+                                 sampler=make_sampler(self._scenario, config.seed),
+                                 pruner=make_pruner(self._scenario))
+        self._running: dict[int, _Running] = {}
+        self._lock = threading.Lock()
+        self._interrupted = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def study(self) -> optuna.Study:
+        """The study this sweep asks and tells."""
+        return self._study
+
+    @property
+    def budget(self) -> int:
+        """Total trials of the study (all workers, all runs)."""
+        return self._budget
+
+    def prepare(self) -> None:
+        """Pre-flight, then (once per study) enqueue the design's points and fail stale trials."""
+        preflight(self._renderer, self.config.workdir, self._design)
+        with ask_lock(self.config.storage):
+            self._enqueue_design()
+            self._fail_stale_trials()
+
+    def _enqueue_design(self) -> None:
+        if self._design is None:
+            return
+        done = int(self._study.user_attrs.get(STUDY_DESIGN_COUNT, 0))
+        for point in self._design[done:]:
+            self._study.enqueue_trial(point, skip_if_exists=False)
+        if len(self._design) > done:
+            self._study.set_user_attr(STUDY_DESIGN_COUNT, len(self._design))
+
+    def interrupt(self) -> None:
+        """End running trials (they are retried on resume) and stop asking for more."""
+        self._interrupted.set()
+
+    def run(self, observer: Observer | None = None) -> None:
+        """Run trials on every slot until the budget is spent or :meth:`interrupt` is called.
+
+        Call :meth:`prepare` first.
+        """
+        self._observer = observer
+        watchdog = threading.Thread(target=self._watch, name="hpo-watchdog", daemon=True)
+        watchdog.start()
+        slots = [threading.Thread(target=self._slot_loop, args=(slot,), name=f"hpo-slot-{slot.index}")
+                 for slot in self.config.slots]
+        for thread in slots:
+            thread.start()
+        try:
+            for thread in slots:
+                while thread.is_alive():
+                    thread.join(timeout=0.2)
+        except BaseException:
+            self.interrupt()
+            for thread in slots:
+                thread.join()
+            raise
+        finally:
+            self._done.set()
+            watchdog.join(timeout=5)
+
+    def _slot_loop(self, slot: Slot) -> None:
+        while not self._interrupted.is_set():
+            claimed = self._claim()
+            if claimed is None:
+                return
+            self._run_trial(slot, *claimed)
+
+    def _claim(self) -> tuple[Trial, dict[str, Any]] | None:
+        with ask_lock(self.config.storage):
+            if self._interrupted.is_set():
+                return None
+            trials = self._study.get_trials(deepcopy=False)
+            if counted_trials(trials) >= self._budget:
+                return None
+            trial = self._study.ask()
+            params = space.suggest(trial, self._scenario.parameters)
+            token = f"{self._scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
+            folder = trial_folder(self.config.workdir, trial.number)
+            for key, value in ((ATTR["folder"], str(folder)), (ATTR["worker"], self.config.worker),
+                               (ATTR["host"], socket.gethostname()), (ATTR["token"], token),
+                               ("worker_seed", self.config.seed)):
+                trial.set_user_attr(key, value)
+            self._beat(trial)
+            with self._lock:
+                self._running[trial.number] = _Running(trial, token)
+        return trial, params
+
+    def _beat(self, trial: Trial) -> None:
+        self._study._storage.set_trial_system_attr(trial._trial_id, SYS_HEARTBEAT, time.time())
+
+    def _run_trial(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> None:
+        number = trial.number
+        folder = trial_folder(self.config.workdir, number)
+        scenario = self._scenario
+        start = time.monotonic()
+        try:
+            processes = len(slot.gpus) or slot.processes
+            argv = build_argv(scenario.command, params, scenario.flags, processes,
+                              scenario.resources.uses_torchrun())
+            self._renderer.render(folder, number, params, argv)
+            if self._observer:
+                self._observer.started(TrialStart(number, params, slot.index, folder))
+            end = self._launch(slot, trial, folder, argv)
+        except InputError as exc:
+            end = self._finish(trial, TrialEnd(number, "FAIL", None, {}, time.monotonic() - start, str(exc)))
+        except Exception as exc:
+            (folder / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
+            with (folder / LOG_FILE).open("a") as log:
+                log.write(traceback.format_exc())
+            end = self._finish(trial, TrialEnd(number, "FAIL", None, {}, time.monotonic() - start,
+                                               f"hpo error: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._lock:
+                self._running.pop(number, None)
+        if self._observer:
+            self._observer.finished(end)
+
+    def _launch(self, slot: Slot, trial: Trial, folder: Path, argv: list[str]) -> TrialEnd:
+        scenario = self._scenario
+        metric = scenario.objective.metric
+        parser = MetricParser(metric)
+        running = self._running[trial.number]
+        pruning = scenario.search.pruner != "none"
+
+        def on_line(line: str) -> None:
+            reported = parser.feed(line)
+            if reported is None or reported.step is None or metric not in reported.values:
+                return
+            trial.report(reported.values[metric], reported.step)
+            if pruning and trial.should_prune():
+                running.end_request = "pruned"
+
+        def should_end() -> str | None:
+            return "interrupted" if self._interrupted.is_set() else running.end_request
+
+        env = trial_env(slot, running.token, scenario.env)
+        env.update(HPO_TRIAL_NUMBER=str(trial.number), HPO_TRIAL_DIR=str(folder))
+        result = run_process(argv, folder, env, folder / LOG_FILE, scenario.resources.timeout,
+                             on_line, should_end)
+        metrics = parser.metrics()
+        verdict = judge(metrics, metric, scenario.objective.held_out, result.exit_code)
+        state, value, reason = verdict.state, verdict.value, verdict.reason
+        if result.ended_by == "timeout":
+            state, value, reason = "TIMEOUT", None, f"TIMEOUT: killed after {scenario.resources.timeout:g} s"
+        elif result.ended_by == "pruned":
+            step = metrics.intermediate[-1][0] if metrics.intermediate else 0
+            state, value, reason = "PRUNED", None, f"pruned at step {step}"
+        elif result.ended_by == "stopped":
+            state, value, reason = "STOPPED", None, "stopped by the user"
+        elif result.ended_by == "interrupted":
+            state, value, reason = "INTERRUPTED", None, "interrupted: the sweep was stopped"
+        elif result.ended_by is not None:
+            state, value, reason = "FAIL", None, result.ended_by
+        return self._finish(trial, TrialEnd(trial.number, state, value, verdict.held_out,
+                                            result.duration_s, reason))
+
+    def _finish(self, trial: Trial, end: TrialEnd) -> TrialEnd:
+        """Record ``end`` on the trial and tell the study; schedule a retry if one is due."""
+        trial.set_user_attr(ATTR["held_out"], dict(end.held_out))
+        trial.set_user_attr(ATTR["duration"], round(end.duration_s, 3))
+        trial.set_user_attr(ATTR["reason"], end.reason)
+        if end.state in ("TIMEOUT", "STOPPED", "INTERRUPTED"):
+            trial.set_user_attr(ATTR["outcome"], end.state)
+        if end.state == "COMPLETE":
+            self._study.tell(trial, end.value)
+        elif end.state in ("PRUNED", "STOPPED"):
+            self._study.tell(trial, state=TrialState.PRUNED)
+        else:
+            self._study.tell(trial, state=TrialState.FAIL)
+            frozen = self._study._storage.get_trial(trial._trial_id)
+            self._maybe_retry(frozen, always=end.state == "INTERRUPTED")
+        return end
+
+    def _maybe_retry(self, failed: FrozenTrial, always: bool = False) -> None:
+        """Enqueue the same configuration again if ``search.retry_failed`` allows it."""
+        retries = int(failed.system_attrs.get(SYS_RETRIES, 0))
+        if not always and retries >= self._scenario.search.retry_failed:
+            return
+        system_attrs = {"fixed_params": dict(failed.params), SYS_RETRY_OF: failed.number,
+                        SYS_RETRIES: retries + (0 if always else 1)}
+        self._study.add_trial(optuna.trial.create_trial(
+            state=TrialState.WAITING, params=failed.params, distributions=failed.distributions,
+            system_attrs=system_attrs))
+
+    def _fail_stale_trials(self) -> None:
+        """Fail RUNNING trials whose heartbeat stopped; kill their leftovers; maybe retry them."""
+        grace = STALE_AFTER_BEATS * self._scenario.resources.heartbeat
+        now = time.time()
+        storage = self._study._storage
+        for trial in self._study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = trial.system_attrs.get(SYS_HEARTBEAT)
+            if beat is not None and now - float(beat) < grace:
+                continue
+            token = trial.user_attrs.get(ATTR["token"])
+            if token and trial.user_attrs.get(ATTR["host"]) == socket.gethostname():
+                kill_by_token(str(token))
+            storage.set_trial_user_attr(trial._trial_id, ATTR["reason"],
+                                        f"lost: its worker stopped (no heartbeat for {grace:g} s)")
+            storage.set_trial_user_attr(trial._trial_id, ATTR["outcome"], "LOST")
+            if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
+                continue
+            self._maybe_retry(storage.get_trial(trial._trial_id))
+
+    def _watch(self) -> None:
+        """Beat the heartbeat of this worker's trials; pass on stop requests from the store."""
+        storage = self._study._storage
+        last_beat = time.monotonic()
+        while not self._done.wait(WATCH_INTERVAL_S):
+            with self._lock:
+                running = list(self._running.values())
+            beat = time.monotonic() - last_beat >= self._scenario.resources.heartbeat
+            for item in running:
+                try:
+                    if storage.get_trial(item.trial._trial_id).system_attrs.get(SYS_STOP):
+                        item.end_request = item.end_request or "stopped"
+                    if beat:
+                        self._beat(item.trial)
+                except Exception:  # the trial just finished, or the store blinked: next round
+                    continue
+            if beat:
+                last_beat = time.monotonic()
+
+
+def request_stop(study: optuna.Study, number: int) -> FrozenTrial:
+    """Ask whichever worker runs trial ``number`` to end it; InputError if it is not running."""
+    trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
+    if not trials:
+        raise InputError(f"trial {number}: no such trial in study {study.study_name}")
+    trial = trials[0]
+    if trial.state != TrialState.RUNNING:
+        raise InputError(f"trial {number}: it is {trial.state.name}, not running")
+    study._storage.set_trial_system_attr(trial._trial_id, SYS_STOP, time.time())
+    return trial

@@ -1,0 +1,144 @@
+"""Trial folders: the scenario's templates rendered with one trial's parameters.
+
+A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is rendered and
+written without that suffix; any other file is copied as it is. The syntax is Jinja2 with
+StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``. Templates
+see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` and, when the
+scenario sets it, ``data_dir``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jinja2
+
+from hpo.errors import InputError
+from hpo.scenario import Scenario
+
+RENDERED_SUFFIXES = (".j2", ".jinja", ".jinja2", ".tmpl")
+PARAMS_FILE = "params.json"
+COMMAND_FILE = "command.txt"
+LOG_FILE = "trial.log"
+_DOLLAR = re.compile(r"\$\{\s*([A-Za-z_]\w*)\s*\}")
+
+
+def trial_folder(workdir: Path, number: int) -> Path:
+    """The folder of trial ``number``: ``<workdir>/trial-0007``."""
+    return workdir / f"trial-{number:04d}"
+
+
+def _output_name(template: Path) -> tuple[str, bool]:
+    for suffix in RENDERED_SUFFIXES:
+        if template.name.endswith(suffix):
+            return template.name[: -len(suffix)], True
+    return template.name, False
+
+
+def _dollar(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
+    def render(context: Mapping[str, Any]) -> str:
+        def value(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in context:
+                line = text.count("\n", 0, match.start()) + 1
+                raise InputError(f"template {template.name} line {line}: ${{{name}}} is undefined")
+            return str(context[name])
+
+        return _DOLLAR.sub(value, text)
+
+    return render
+
+
+def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False)
+    try:
+        compiled = env.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InputError(f"template {template.name} line {exc.lineno}: {exc.message}") from None
+
+    def render(context: Mapping[str, Any]) -> str:
+        try:
+            return compiled.render(**context)
+        except jinja2.UndefinedError as exc:
+            raise InputError(f"template {template.name}: {exc.message}") from None
+        except jinja2.TemplateError as exc:
+            raise InputError(f"template {template.name}: {exc}") from None
+
+    return render
+
+
+@dataclass(frozen=True)
+class RenderedTrial:
+    """A trial folder on disk: where it is, the files written, and the parameter values."""
+
+    folder: Path
+    files: tuple[str, ...]
+    params: Mapping[str, Any]
+
+
+class Renderer:
+    """Compiles a scenario's templates once; renders them into one folder per trial.
+
+    Construction raises :class:`InputError` for a missing template or a syntax error.
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        self._scenario = scenario
+        self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
+        names: set[str] = set()
+        for template in scenario.template:
+            if not template.is_file():
+                raise InputError(f"template: file {template} not found")
+            name, rendered = _output_name(template)
+            if name in names or name in (PARAMS_FILE, COMMAND_FILE, LOG_FILE):
+                raise InputError(f"template: two files would be written as {name}")
+            names.add(name)
+            render = None
+            if rendered:
+                try:
+                    text = template.read_text()
+                except UnicodeDecodeError:
+                    raise InputError(f"template {template.name}: not a UTF-8 text file") from None
+                render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
+            self._renderers.append((name, render, template))
+
+    @property
+    def scenario(self) -> Scenario:
+        """The scenario whose templates this renders."""
+        return self._scenario
+
+    def context(self, number: int, folder: Path, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The variables a template sees for this trial."""
+        context: dict[str, Any] = dict(params)
+        context.update(trial_number=number, trial_dir=str(folder), seed=self._scenario.search.seed)
+        if self._scenario.data_dir is not None:
+            context["data_dir"] = str(self._scenario.data_dir)
+        return context
+
+    def render_texts(self, number: int, folder: Path, params: Mapping[str, Any]) -> dict[str, str]:
+        """Render every rendered template in memory (a pre-flight check writes nothing)."""
+        context = self.context(number, folder, params)
+        return {name: render(context) for name, render, _ in self._renderers if render is not None}
+
+    def render(self, folder: Path, number: int, params: Mapping[str, Any],
+               argv: Sequence[str]) -> RenderedTrial:
+        """Write the trial's folder: rendered templates, ``params.json`` and ``command.txt``."""
+        texts = self.render_texts(number, folder, params)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, render, template in self._renderers:
+            target = folder / name
+            if render is None:
+                shutil.copy2(template, target)
+            else:
+                target.write_text(texts[name])
+                shutil.copymode(template, target)
+        (folder / PARAMS_FILE).write_text(json.dumps({"trial": number, "params": dict(params)}, indent=2) + "\n")
+        (folder / COMMAND_FILE).write_text(shlex.join(argv) + "\n")
+        files = tuple(name for name, _, _ in self._renderers)
+        return RenderedTrial(folder=folder, files=files, params=dict(params))

@@ -1,0 +1,41 @@
+"""One small interface for every search method: the scenario picks an Optuna sampler and pruner.
+
+Design methods (monte_carlo, csv, grid, sobol, lhs) enqueue their points in the study
+(see :mod:`hpo.designs`); their sampler only fills in what a point leaves open. Model-based
+methods propose each trial from the whole history in the store: Optuna's TPE and GP, and
+hpo's random-forest optimizer for ``smac``.
+"""
+from __future__ import annotations
+
+import optuna
+
+from hpo import space
+from hpo.scenario import Scenario
+
+
+def make_sampler(scenario: Scenario, seed: int) -> optuna.samplers.BaseSampler:
+    """The sampler of ``search.method``, seeded with this worker's ``seed``."""
+    method = scenario.search.method
+    if method == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                          warn_independent_sampling=False)
+    if method == "gp":
+        return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
+    if method == "smac":
+        from hpo.forest import ForestSampler
+
+        return ForestSampler(space.config_space(scenario.parameters, seed=seed), seed=seed,
+                             direction=scenario.objective.direction)
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+def make_pruner(scenario: Scenario) -> optuna.pruners.BasePruner:
+    """The pruner of ``search.pruner`` (``none`` never prunes)."""
+    name = scenario.search.pruner
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
+    if name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner()
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner()
+    return optuna.pruners.NopPruner()

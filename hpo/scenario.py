@@ -1,0 +1,317 @@
+"""The scenario YAML: loaded, validated and frozen.
+
+:func:`load_scenario` is the only way in. It returns a :class:`Scenario` whose paths are
+absolute (resolved against the scenario file's folder) or raises :class:`InputError` with
+one line naming the field path and what is wrong. Unknown keys are errors.
+"""
+from __future__ import annotations
+
+import difflib
+import shlex
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hpo.errors import InputError
+
+DESIGN_METHODS = ("monte_carlo", "csv", "grid", "sobol", "lhs")
+MODEL_METHODS = ("tpe", "gp", "smac")
+PRUNERS = ("none", "median", "successive_halving", "hyperband")
+Scalar = Union[bool, int, float, str]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Param(_Frozen):
+    """One hyper-parameter: its type, range or choices, and optional condition."""
+
+    type: Literal["int", "float", "categorical", "constant"]
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    choices: tuple[Scalar, ...] | None = None
+    value: Scalar | None = None
+    distribution: Literal["uniform", "normal"] = "uniform"
+    mean: float | None = None
+    std: float | None = None
+    condition: dict[str, Union[Scalar, list[Scalar]]] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Param":
+        numeric = self.type in ("int", "float")
+        _only(self, "low/high/log/step/distribution", numeric,
+              ("low", "high", "step", "mean", "std"), ("log", "distribution"))
+        if numeric:
+            _check_numeric(self)
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("choices: a categorical parameter needs a non-empty list")
+            if len(set(map(repr, self.choices))) != len(self.choices):
+                raise ValueError("choices: values must be unique")
+        elif self.choices is not None:
+            raise ValueError(f"choices: only a categorical parameter has choices, not {self.type}")
+        if self.type == "constant" and self.value is None:
+            raise ValueError("value: a constant parameter needs a value")
+        if self.type != "constant" and self.value is not None:
+            raise ValueError(f"value: only a constant parameter has a value, not {self.type}")
+        return self
+
+    @property
+    def is_normal(self) -> bool:
+        """Whether values are drawn from a clipped normal distribution (designs only)."""
+        return self.distribution == "normal"
+
+
+def _only(param: Param, what: str, allowed: bool, fields: tuple[str, ...],
+          flags: tuple[str, ...]) -> None:
+    if allowed:
+        return
+    for name in fields:
+        if getattr(param, name) is not None:
+            raise ValueError(f"{name}: only int and float parameters take {name}")
+    if param.log:
+        raise ValueError("log: only int and float parameters can be log-scaled")
+    if param.distribution != "uniform":
+        raise ValueError("distribution: only int and float parameters take a distribution")
+
+
+def _check_numeric(p: Param) -> None:
+    if p.low is None or p.high is None:
+        raise ValueError(f"{'low' if p.low is None else 'high'}: an {p.type} parameter needs low and high")
+    if p.low > p.high:
+        raise ValueError(f"low: {p.low:g} is above high {p.high:g}")
+    if p.type == "int":
+        for name in ("low", "high", "step"):
+            value = getattr(p, name)
+            if value is not None and float(value) != int(value):
+                raise ValueError(f"{name}: an int parameter needs a whole number, got {value:g}")
+    if p.log and p.low <= 0:
+        raise ValueError(f"low: a log-scaled parameter needs low > 0, got {p.low:g}")
+    if p.step is not None:
+        if p.step <= 0:
+            raise ValueError(f"step: must be positive, got {p.step:g}")
+        if p.log:
+            raise ValueError("step: a log-scaled parameter cannot have a step")
+    if p.is_normal:
+        if p.mean is None or p.std is None:
+            raise ValueError(f"{'mean' if p.mean is None else 'std'}: distribution normal needs mean and std")
+        if p.std <= 0:
+            raise ValueError(f"std: must be positive, got {p.std:g}")
+        if p.log:
+            raise ValueError("log: a normal distribution cannot be log-scaled")
+    elif p.mean is not None or p.std is not None:
+        raise ValueError(f"{'mean' if p.mean is not None else 'std'}: only distribution normal takes mean and std")
+
+
+class Search(_Frozen):
+    """How trials are proposed and how many the study holds in total."""
+
+    method: Literal["monte_carlo", "csv", "grid", "sobol", "lhs", "tpe", "gp", "smac"] = "monte_carlo"
+    trials: int | None = Field(default=None, ge=1)
+    seed: int = 1
+    csv: Path | None = None
+    retry_failed: int = Field(default=0, ge=0)
+    pruner: Literal["none", "median", "successive_halving", "hyperband"] = "none"
+
+    @model_validator(mode="after")
+    def _check(self) -> "Search":
+        if self.method == "csv" and self.csv is None:
+            raise ValueError("csv: method csv needs the path of the design CSV")
+        if self.method != "csv" and self.csv is not None:
+            raise ValueError(f"csv: only method csv reads a CSV, but method is {self.method}")
+        if self.trials is None and self.method not in ("csv", "grid"):
+            raise ValueError(f"trials: method {self.method} needs the total number of trials")
+        return self
+
+
+class Objective(_Frozen):
+    """The metric the optimizer sees, its direction, and the held-out metrics it never sees."""
+
+    metric: str = "val_error"
+    direction: Literal["minimize", "maximize"] = "minimize"
+    held_out: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Objective":
+        if self.metric in self.held_out:
+            raise ValueError(f"held_out: {self.metric} is the objective metric; it cannot be held out")
+        return self
+
+
+class Resources(_Frozen):
+    """Task slots on this machine, the GPUs each trial owns, and the per-trial time limit."""
+
+    parallel: int = Field(default=1, ge=1)
+    gpus_per_trial: int = Field(default=1, ge=1)
+    gpus: tuple[int, ...] | None = None
+    torchrun: Union[bool, Literal["auto"]] = "auto"
+    timeout: float | None = Field(default=None, gt=0)
+    heartbeat: float = Field(default=10.0, gt=0)
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique_gpus(cls, gpus: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if gpus is not None and len(set(gpus)) != len(gpus):
+            raise ValueError("GPU ids must be unique")
+        return gpus
+
+    def uses_torchrun(self) -> bool:
+        """Whether trial commands run under torchrun (``auto``: only for several processes)."""
+        return self.gpus_per_trial > 1 if self.torchrun == "auto" else bool(self.torchrun)
+
+
+class Scenario(_Frozen):
+    """A validated scenario. Paths are absolute; ``path`` is the scenario file itself."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+    template: tuple[Path, ...] = ()
+    syntax: Literal["jinja", "dollar"] = "jinja"
+    command: tuple[str, ...]
+    flags: bool = False
+    data_dir: Path | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    parameters: dict[str, Param]
+    search: Search
+    objective: Objective = Objective()
+    resources: Resources = Resources()
+    workdir: Path | None = None
+    storage: str | None = None
+    path: Path
+
+    @field_validator("template", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_command(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = shlex.split(value)
+            except ValueError as exc:
+                raise ValueError(f"cannot split the command: {exc}") from None
+        if isinstance(value, (list, tuple)) and not value:
+            raise ValueError("the command is empty")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "Scenario":
+        if not self.parameters:
+            raise ValueError("parameters: the scenario defines no parameter")
+        names = list(self.parameters)
+        reserved = {"trial_number", "trial_dir", "data_dir", "seed"} & set(names)
+        if reserved:
+            raise ValueError(f"parameters.{sorted(reserved)[0]}: the name is reserved for the template context")
+        for index, (name, param) in enumerate(self.parameters.items()):
+            _check_condition(name, param, names[:index], self.parameters)
+            if param.is_normal and self.search.method not in ("monte_carlo", "sobol", "lhs"):
+                raise ValueError(f"parameters.{name}.distribution: normal is only for the designs "
+                                 f"monte_carlo, sobol and lhs, not {self.search.method}")
+        return self
+
+    @property
+    def folder(self) -> Path:
+        """The folder of the scenario file; relative paths in it are resolved against it."""
+        return self.path.parent
+
+    def default_workdir(self) -> Path:
+        """Where trial folders and the default store go: ``workdir`` or ``runs/<name>``."""
+        return self.workdir or self.folder / "runs" / self.name
+
+
+def _check_condition(name: str, param: Param, earlier: list[str], params: dict[str, Param]) -> None:
+    for parent, wanted in (param.condition or {}).items():
+        if parent not in earlier:
+            raise ValueError(f"parameters.{name}.condition: {parent} must be a parameter defined before {name}")
+        choices = params[parent].choices
+        if choices is None:
+            raise ValueError(f"parameters.{name}.condition: {parent} is not categorical")
+        for value in wanted if isinstance(wanted, list) else [wanted]:
+            if value not in choices:
+                raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent}")
+
+
+_PATH_KEYS = ("template", "data_dir", "workdir")
+
+
+def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+    out = dict(raw)
+    for key in _PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = str((folder / value).resolve())
+        elif isinstance(value, list):
+            out[key] = [str((folder / v).resolve()) if isinstance(v, str) else v for v in value]
+    search = out.get("search")
+    if isinstance(search, dict) and isinstance(search.get("csv"), str):
+        out["search"] = {**search, "csv": str((folder / search["csv"]).resolve())}
+    return out
+
+
+def _allowed_keys(model: type[BaseModel] | None) -> list[str]:
+    return [k for k in model.model_fields if k != "path"] if model else []
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Scenario
+    for part in loc[:-1]:
+        if model is None:
+            return None
+        if model is Scenario and part == "parameters":
+            model = None
+            continue
+        field = model.model_fields.get(str(part)) if model else None
+        annotation = field.annotation if field else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return model
+
+
+def _format_error(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    message: str = error["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+        head, sep, rest = message.partition(": ")
+        if sep and head.isidentifier() and " " not in head:
+            loc, message = loc + (head,), rest
+    if error["type"] == "extra_forbidden":
+        parent = loc[:-1]
+        allowed = _allowed_keys(Param if len(parent) == 2 and parent[0] == "parameters"
+                                else _model_at(loc))
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else f" (allowed: {', '.join(allowed)})"
+        message = f"unknown key{hint}"
+    elif error["type"] == "missing":
+        message = "required key is missing"
+    path = ".".join(str(part) for part in loc if not (isinstance(part, str) and part.startswith("function-")))
+    return f"{path}: {message}" if path else message
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read, validate and freeze the scenario at ``path`` (see the module docstring)."""
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"{path}: scenario file not found")
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{file.name}{where}: not valid YAML: {problem}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{file.name}: a scenario is a YAML mapping of keys, got {type(raw).__name__}")
+    if "path" in raw:
+        raise InputError(f"{file.name}: path: unknown key")
+    try:
+        return Scenario(**_resolve_paths(raw, file.resolve().parent), path=file.resolve())
+    except ValidationError as exc:
+        raise InputError(f"{file.name}: {_format_error(exc.errors()[0])}") from None
+    except TypeError as exc:
+        raise InputError(f"{file.name}: {exc}") from None

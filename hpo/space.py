@@ -1,0 +1,189 @@
+"""The search space: one definition (the scenario's parameters) seen three ways.
+
+* define-by-run suggestions on an Optuna trial (:func:`suggest`), which honour conditions;
+* a ConfigSpace space for the random-forest optimizer (:func:`config_space`);
+* points of the unit cube mapped to values (:func:`from_unit`) for designs of experiments,
+  and text coerced to values (:func:`coerce`) for CSV designs.
+
+Constants are recorded as single-choice categoricals so every trial carries every value.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from hpo.scenario import Param
+
+Params = Mapping[str, Param]
+
+
+def is_active(param: Param, values: Mapping[str, Any]) -> bool:
+    """Whether ``param``'s condition holds for the values chosen so far."""
+    for parent, wanted in (param.condition or {}).items():
+        allowed = wanted if isinstance(wanted, list) else [wanted]
+        if parent not in values or values[parent] not in allowed:
+            return False
+    return True
+
+
+def suggest(trial: Any, params: Params) -> dict[str, Any]:
+    """Suggest every active parameter on an Optuna trial, in definition order."""
+    values: dict[str, Any] = {}
+    for name, p in params.items():
+        if not is_active(p, values):
+            continue
+        if p.type == "constant":
+            values[name] = trial.suggest_categorical(name, [p.value])
+        elif p.type == "categorical":
+            values[name] = trial.suggest_categorical(name, list(p.choices or ()))
+        elif p.type == "int":
+            values[name] = trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+        else:
+            values[name] = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
+    return values
+
+
+def distributions(params: Params) -> dict[str, Any]:
+    """Optuna distributions of all parameters (active or not)."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        if p.type == "constant":
+            out[name] = CategoricalDistribution([p.value])
+        elif p.type == "categorical":
+            out[name] = CategoricalDistribution(list(p.choices or ()))
+        elif p.type == "int":
+            out[name] = IntDistribution(int(p.low), int(p.high), log=p.log, step=int(p.step or 1))
+        else:
+            out[name] = FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+    return out
+
+
+def _grid_values(p: Param) -> list[Any] | None:
+    """The finite values of a stepped or categorical parameter; None if continuous."""
+    if p.type == "constant":
+        return [p.value]
+    if p.type == "categorical":
+        return list(p.choices or ())
+    if p.type == "int" and not p.log:
+        step = int(p.step or 1)
+        return list(range(int(p.low), int(p.high) + 1, step))
+    if p.type == "float" and p.step is not None:
+        count = int(math.floor((p.high - p.low) / p.step + 1e-9)) + 1
+        return [round(p.low + i * p.step, 12) for i in range(count)]
+    return None
+
+
+def grid_values(name: str, p: Param) -> list[Any]:
+    """Every value a grid design visits for ``p``; continuous parameters need a step."""
+    from hpo.errors import InputError
+
+    values = _grid_values(p)
+    if values is None:
+        raise InputError(f"parameters.{name}: method grid needs a step (or choices) for a continuous {p.type}")
+    return values
+
+
+def config_space(params: Params, seed: int | None = None) -> Any:
+    """The ConfigSpace space of ``params``, conditions included."""
+    from ConfigSpace import (
+        CategoricalHyperparameter, ConfigurationSpace, Constant, EqualsCondition, InCondition,
+        NormalFloatHyperparameter, OrdinalHyperparameter, UniformFloatHyperparameter,
+        UniformIntegerHyperparameter)
+
+    space = ConfigurationSpace(seed=seed)
+    hps: dict[str, Any] = {}
+    for name, p in params.items():
+        if p.type == "constant":
+            hp: Any = Constant(name, p.value)
+        elif p.type == "categorical":
+            hp = CategoricalHyperparameter(name, list(p.choices or ()))
+        elif p.is_normal:
+            hp = NormalFloatHyperparameter(name, mu=p.mean, sigma=p.std, lower=p.low, upper=p.high)
+        elif p.step is not None and (p.type == "float" or p.step != 1):
+            hp = OrdinalHyperparameter(name, _grid_values(p))
+        elif p.type == "int":
+            hp = UniformIntegerHyperparameter(name, int(p.low), int(p.high), log=p.log)
+        else:
+            hp = UniformFloatHyperparameter(name, p.low, p.high, log=p.log)
+        hps[name] = hp
+    space.add(list(hps.values()))
+    conditions = []
+    for name, p in params.items():
+        for parent, wanted in (p.condition or {}).items():
+            if isinstance(wanted, list):
+                conditions.append(InCondition(hps[name], hps[parent], wanted))
+            else:
+                conditions.append(EqualsCondition(hps[name], hps[parent], wanted))
+    if conditions:
+        space.add(conditions)
+    return space
+
+
+def free_parameters(params: Params) -> list[str]:
+    """Names of the parameters that vary (not constants): the columns of a design."""
+    return [name for name, p in params.items() if p.type != "constant"]
+
+
+def _from_unit_one(p: Param, u: float) -> Any:
+    u = min(max(u, 0.0), 1.0 - 1e-12)
+    values = _grid_values(p)
+    if p.is_normal:
+        from scipy.stats import norm
+
+        x = float(np.clip(p.mean + p.std * norm.ppf(min(max(u, 1e-12), 1 - 1e-12)), p.low, p.high))
+        if p.type == "int":
+            return int(round(x))
+        return round(p.low + round((x - p.low) / p.step) * p.step, 12) if p.step else x
+    if values is not None:
+        return values[int(u * len(values))]
+    if p.log:
+        x = math.exp(math.log(p.low) + u * (math.log(p.high) - math.log(p.low)))
+    else:
+        x = p.low + u * (p.high - p.low)
+    if p.type == "int":
+        return int(min(max(round(x), p.low), p.high))
+    return x
+
+
+def from_unit(params: Params, point: np.ndarray) -> dict[str, Any]:
+    """Map one point of the unit cube (one coordinate per free parameter) to values.
+
+    Conditional parameters whose condition does not hold are left out.
+    """
+    values: dict[str, Any] = {}
+    coords = iter(point)
+    for name, p in params.items():
+        value = p.value if p.type == "constant" else _from_unit_one(p, float(next(coords)))
+        if is_active(p, values):
+            values[name] = value
+    return values
+
+
+def coerce(name: str, p: Param, text: str) -> Any:
+    """Turn ``text`` (a CSV cell) into a value of ``p``; raise ValueError saying what is wrong."""
+    text = text.strip()
+    if p.type in ("categorical", "constant"):
+        options = list(p.choices or ()) if p.type == "categorical" else [p.value]
+        for option in options:
+            if str(option) == text or (isinstance(option, bool) and text.lower() == str(option).lower()):
+                return option
+        raise ValueError(f"{text!r} is not one of {', '.join(map(str, options))}")
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{text!r} is not a finite number")
+    if p.type == "int":
+        if number != int(number):
+            raise ValueError(f"{text!r} is not a whole number")
+        number = int(number)
+    if number < p.low or number > p.high:
+        raise ValueError(f"{text} is outside [{p.low:g}, {p.high:g}]")
+    if p.step is not None and abs((number - p.low) / p.step - round((number - p.low) / p.step)) > 1e-6:
+        raise ValueError(f"{text} is not on the step {p.step:g} from {p.low:g}")
+    return number
