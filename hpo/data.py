@@ -60,12 +60,12 @@ def _find_mnist_file(directory: Path, name: str) -> Path | None:
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Read one unsigned-byte IDX file (plain or ``.gz``) into a uint8 array of its shape.
+    """Read one unsigned-byte IDX file (plain or ``.gz``) into a writable uint8 array.
 
     Raises InputError when the file is not an unsigned-byte IDX file or is truncated.
     """
     with _open(path) as stream:
-        raw = stream.read()
+        raw = bytearray(stream.read())
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE:
         raise InputError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
     ndim = raw[3]

@@ -39,6 +39,7 @@ def test_mnist_round_trip(tmp_path: Path, compress: bool) -> None:
     np.testing.assert_array_equal(got_test_x, test_x)
     np.testing.assert_array_equal(got_test_y, test_y)
     assert got_train_x.dtype == np.uint8 and got_train_y.dtype == np.int64
+    assert got_test_x.flags.writeable, "torch.from_numpy warns on read-only arrays"
 
 
 def test_idx_header_is_the_published_layout(tmp_path: Path) -> None:
