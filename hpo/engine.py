@@ -17,11 +17,12 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 import optuna
+import psutil
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from hpo import designs, space
@@ -35,6 +36,7 @@ from hpo.store import (ATTR, STUDY_DESIGN_COUNT, SYS_HEARTBEAT, SYS_RETRIES, SYS
                        ask_lock, counted_trials, open_study)
 
 WATCH_INTERVAL_S = 1.0
+_WAIT = object()
 STALE_AFTER_BEATS = 3
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -59,6 +61,7 @@ class TrialEnd:
     held_out: Mapping[str, float]
     duration_s: float
     reason: str
+    overhead_s: float = 0.0
 
 
 class Observer(Protocol):
@@ -172,18 +175,30 @@ class Sweep:
 
     def _slot_loop(self, slot: Slot) -> None:
         while not self._interrupted.is_set():
+            began = time.monotonic()
             claimed = self._claim()
             if claimed is None:
                 return
-            self._run_trial(slot, *claimed)
+            if claimed is _WAIT:
+                self._interrupted.wait(WATCH_INTERVAL_S)
+                continue
+            end = self._run_trial(slot, *claimed)
+            end = replace(end, overhead_s=time.monotonic() - began - end.duration_s)
+            if self._observer:
+                self._observer.finished(end)
 
-    def _claim(self) -> tuple[Trial, dict[str, Any]] | None:
+    def _claim(self) -> Any:
+        """Ask for the next trial; None when the budget is spent and nothing else runs, or
+        :data:`_WAIT` while other workers' trials still run (they may fail and be retried)."""
         with ask_lock(self.config.storage):
             if self._interrupted.is_set():
                 return None
             trials = self._study.get_trials(deepcopy=False)
             if counted_trials(trials) >= self._budget:
-                return None
+                with self._lock:
+                    mine = set(self._running)
+                others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
+                return _WAIT if others else None
             trial = self._study.ask()
             params = space.suggest(trial, self._scenario.parameters)
             token = f"{self._scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
@@ -200,7 +215,7 @@ class Sweep:
     def _beat(self, trial: Trial) -> None:
         self._study._storage.set_trial_system_attr(trial._trial_id, SYS_HEARTBEAT, time.time())
 
-    def _run_trial(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> None:
+    def _run_trial(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> TrialEnd:
         number = trial.number
         folder = trial_folder(self.config.workdir, number)
         scenario = self._scenario
@@ -224,8 +239,7 @@ class Sweep:
         finally:
             with self._lock:
                 self._running.pop(number, None)
-        if self._observer:
-            self._observer.finished(end)
+        return end
 
     def _launch(self, slot: Slot, trial: Trial, folder: Path, argv: list[str]) -> TrialEnd:
         scenario = self._scenario
@@ -294,20 +308,32 @@ class Sweep:
             state=TrialState.WAITING, params=failed.params, distributions=failed.distributions,
             system_attrs=system_attrs))
 
-    def _fail_stale_trials(self) -> None:
-        """Fail RUNNING trials whose heartbeat stopped; kill their leftovers; maybe retry them."""
+    def _is_stale(self, trial: FrozenTrial, now: float) -> bool:
+        """A running trial is stale when its worker is gone: a dead process on this host,
+        or no heartbeat for ``STALE_AFTER_BEATS`` intervals."""
+        host, _, pid = str(trial.user_attrs.get(ATTR["worker"], "")).rpartition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            if int(pid) == os.getpid():
+                return False
+            if not psutil.pid_exists(int(pid)):
+                return True
+        beat = trial.system_attrs.get(SYS_HEARTBEAT)
         grace = STALE_AFTER_BEATS * self._scenario.resources.heartbeat
+        return beat is None or now - float(beat) > grace
+
+    def _fail_stale_trials(self) -> None:
+        """Fail RUNNING trials whose worker is gone; kill their leftovers; maybe retry them.
+
+        Call under the ask lock."""
         now = time.time()
         storage = self._study._storage
         for trial in self._study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            beat = trial.system_attrs.get(SYS_HEARTBEAT)
-            if beat is not None and now - float(beat) < grace:
+            if trial.number in self._running or not self._is_stale(trial, now):
                 continue
             token = trial.user_attrs.get(ATTR["token"])
             if token and trial.user_attrs.get(ATTR["host"]) == socket.gethostname():
                 kill_by_token(str(token))
-            storage.set_trial_user_attr(trial._trial_id, ATTR["reason"],
-                                        f"lost: its worker stopped (no heartbeat for {grace:g} s)")
+            storage.set_trial_user_attr(trial._trial_id, ATTR["reason"], "lost: its worker stopped")
             storage.set_trial_user_attr(trial._trial_id, ATTR["outcome"], "LOST")
             if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
                 continue
@@ -331,6 +357,11 @@ class Sweep:
                     continue
             if beat:
                 last_beat = time.monotonic()
+                try:
+                    with ask_lock(self.config.storage):
+                        self._fail_stale_trials()
+                except Exception:  # the store blinked: next round
+                    continue
 
 
 def request_stop(study: optuna.Study, number: int) -> FrozenTrial:

@@ -14,6 +14,7 @@ import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
@@ -65,12 +66,23 @@ def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
     def render(context: Mapping[str, Any]) -> str:
         try:
             return compiled.render(**context)
-        except jinja2.UndefinedError as exc:
-            raise InputError(f"template {template.name}: {exc.message}") from None
         except jinja2.TemplateError as exc:
-            raise InputError(f"template {template.name}: {exc}") from None
+            problem, tb = exc.message or str(exc), exc.__traceback__
+        except Exception as exc:  # the template's own code failed, e.g. {{ 1 / 0 }}
+            problem, tb = f"{type(exc).__name__}: {exc}", exc.__traceback__
+        raise InputError(f"template {template.name}{_template_line(tb)}: {problem}")
 
     return render
+
+
+def _template_line(tb: TracebackType | None) -> str:
+    """`` line N`` of the innermost template frame of a rendering error's traceback, or ''."""
+    line = ""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = f" line {tb.tb_lineno}"
+        tb = tb.tb_next
+    return line
 
 
 @dataclass(frozen=True)

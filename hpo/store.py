@@ -96,15 +96,20 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
 def open_study(scenario: Scenario, url: str, sampler: optuna.samplers.BaseSampler | None = None,
                pruner: optuna.pruners.BasePruner | None = None, create: bool = True) -> optuna.Study:
     """Load the scenario's study (creating it when ``create``); InputError if it is missing."""
-    storage = open_storage(url)
     if create:
-        study = optuna.create_study(storage=storage, study_name=scenario.name, sampler=sampler,
-                                    pruner=pruner, direction=scenario.objective.direction,
-                                    load_if_exists=True)
+        with ask_lock(url):
+            storage = open_storage(url)
+            study = optuna.create_study(storage=storage, study_name=scenario.name, sampler=sampler,
+                                        pruner=pruner, direction=scenario.objective.direction,
+                                        load_if_exists=True)
         if study.direction.name.lower() != scenario.objective.direction:
             raise InputError(f"objective.direction: the study {scenario.name} was created to "
                              f"{study.direction.name.lower()}, not {scenario.objective.direction}")
         return study
+    local = _sqlite_path(url) or _journal_path(url)
+    if local is not None and not local.exists():
+        raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
+    storage = open_storage(url)
     try:
         return optuna.load_study(study_name=scenario.name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError:
@@ -122,6 +127,7 @@ def ask_lock(url: str) -> Iterator[None]:
         local = _sqlite_path(url) or _journal_path(url)
         if local is not None:
             lock_path = local.with_name(local.name + ".lock")
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
             with lock_path.open("a") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX)
                 try:

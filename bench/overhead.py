@@ -1,0 +1,87 @@
+"""Slot utilization and per-trial overhead of the sweep engine.
+
+60 trivial trials (a script that sleeps 1 s and prints a metric) on 2 slots: the ideal wall
+time is 60 x 1 s / 2 = 30 s. Prints the wall time, the slot utilization (ideal / wall;
+goal >= 95 %) and the median per-trial overhead of ask + render + spawn + parse + tell.
+
+    python bench/overhead.py [--trials 60] [--slots 2] [--sleep 1.0] [--storage URL]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
+from hpo.launch import plan_slots
+from hpo.scenario import load_scenario
+from hpo.store import storage_url
+
+TEMPLATE = textwrap.dedent("""\
+    import time
+    time.sleep({{ sleep }})
+    print("val_error={{ x }}")
+    """)
+
+
+class Collector:
+    """Keeps every TrialEnd."""
+
+    def __init__(self) -> None:
+        self.ends: list[TrialEnd] = []
+
+    def started(self, start: TrialStart) -> None:
+        return None
+
+    def finished(self, end: TrialEnd) -> None:
+        self.ends.append(end)
+
+
+def main() -> None:
+    """Run the benchmark and print its figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=60)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--sleep", type=float, default=1.0)
+    parser.add_argument("--storage", help="storage URL (default: SQLite in a temporary folder)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "trial.py.j2").write_text(TEMPLATE)
+        (folder / "bench.yaml").write_text(textwrap.dedent(f"""\
+            name: overhead
+            template: trial.py.j2
+            command: python trial.py
+            parameters:
+              x: {{type: float, low: 0, high: 1}}
+              sleep: {{type: constant, value: {args.sleep}}}
+            search: {{method: monte_carlo, trials: {args.trials}}}
+            resources: {{parallel: {args.slots}, gpus_per_trial: 1}}
+            """))
+        scenario = load_scenario(folder / "bench.yaml")
+        slots = plan_slots(scenario.resources, ())
+        url = storage_url(scenario, args.storage, folder / "work")
+        sweep = Sweep(SweepConfig(scenario, url, folder / "work", slots, seed=1))
+        collector = Collector()
+        sweep.prepare()
+        began = time.monotonic()
+        sweep.run(collector)
+        wall = time.monotonic() - began
+    ideal = args.trials * args.sleep / args.slots
+    overheads = sorted(end.overhead_s * 1000 for end in collector.ends)
+    process = [end.duration_s - args.sleep for end in collector.ends]
+    states = {end.state for end in collector.ends}
+    print(f"trials: {len(collector.ends)} ({', '.join(sorted(states))}) on {args.slots} slots, store {url.split(':')[0]}")
+    print(f"wall time: {wall:.2f} s   ideal: {ideal:.2f} s")
+    print(f"slot utilization: {100 * ideal / wall:.1f} %   (goal >= 95 %)")
+    print(f"per-trial overhead (ask + render + spawn + parse + tell): median {statistics.median(overheads):.1f} ms, "
+          f"p90 {overheads[int(0.9 * (len(overheads) - 1))]:.1f} ms")
+    print(f"process time beyond the {args.sleep:g} s sleep (interpreter start-up and exit): "
+          f"median {1000 * statistics.median(process):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

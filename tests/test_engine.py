@@ -1,0 +1,241 @@
+"""End-to-end control of real sweeps: kill -9 and resume, stop, pruning, timeouts, tail, retries.
+
+Every test runs the real ``hpo`` CLI in subprocesses on fast templates (no torch import).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+from optuna.trial import TrialState
+
+from hpo.launch import TOKEN_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+
+SLEEPY = textwrap.dedent("""\
+    import sys, time
+    from hpo.results import report
+    x = {{ x }}
+    for step in range({{ steps }}):
+        time.sleep({{ pause }})
+        report(step=step, val_error=x + (1 - step / {{ steps }}) * x * 10)
+    report(val_error=x, test_error=x / 2)
+    """)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HPO_GPUS"] = ""
+    return env
+
+
+def hpo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``hpo ARGS`` to the end."""
+    return subprocess.run([sys.executable, "-m", "hpo", *args], capture_output=True, text=True,
+                          env=_env(), timeout=timeout)
+
+
+def hpo_background(*args: str) -> subprocess.Popen[str]:
+    """Start ``hpo ARGS`` and return at once."""
+    return subprocess.Popen([sys.executable, "-m", "hpo", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env())
+
+
+def scenario(tmp_path: Path, *, trials: int = 6, parallel: int = 2, steps: int = 3, pause: float = 0.1,
+             extra: str = "", template: str = SLEEPY) -> Path:
+    """Write the sleepy template and a scenario using it; return the scenario path."""
+    (tmp_path / "trial.py.j2").write_text(template)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: sweep
+        template: trial.py.j2
+        command: python trial.py
+        parameters:
+          x: {{type: float, low: 0.0, high: 1.0}}
+          steps: {{type: constant, value: {steps}}}
+          pause: {{type: constant, value: {pause}}}
+        objective: {{metric: val_error, held_out: [test_error]}}
+        resources: {{parallel: {parallel}, gpus_per_trial: 1, heartbeat: 1}}
+        """) + extra + ("" if "search:" in extra else f"search: {{method: monte_carlo, trials: {trials}}}\n"))
+    return path
+
+
+def export(path: Path) -> list[dict[str, str]]:
+    """The results CSV of the scenario, as rows."""
+    result = hpo("export", str(path))
+    assert result.returncode == 0, result.stderr
+    return list(csv.DictReader(io.StringIO(result.stdout)))
+
+
+def trial_processes(token_prefix: str = "sweep:") -> list[psutil.Process]:
+    """Live processes that belong to a trial of the test's study."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(TOKEN_ENV, "").startswith(token_prefix):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for(predicate: object, timeout: float = 60) -> None:
+    """Poll ``predicate()`` until true."""
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def running_trials(path: Path) -> list[str]:
+    """Numbers of the trials the store shows as RUNNING (read in-process: polled often)."""
+    database = path.parent / "runs" / "sweep" / "study.db"
+    if not database.exists():
+        return []
+    try:
+        study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{database}")
+    except KeyError:
+        return []
+    return [str(t.number) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+
+
+def test_kill_9_then_rerun_finishes_exactly_the_budget(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=8, steps=20, pause=0.1)
+    first = hpo_background("run", str(path))
+    wait_for(lambda: len(running_trials(path)) == 2 and len(trial_processes()) >= 2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    wait_for(lambda: not trial_processes(), timeout=20)
+    second = hpo("run", str(path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    rows = export(path)
+    assert len(rows) == 8 and not [r for r in rows if r["state"] == "RUNNING"]
+    lost = [r for r in rows if r["state"] == "LOST"]
+    assert len(lost) == 2 and all("worker stopped" in r["reason"] for r in lost)
+    assert not trial_processes()
+
+
+def test_kill_9_with_retry_reruns_the_lost_configuration(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=4, steps=20, pause=0.1, extra="search: {method: monte_carlo, trials: 4, retry_failed: 1}\n")
+    first = hpo_background("run", str(path))
+    wait_for(lambda: len(running_trials(path)) == 2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert hpo("run", str(path)).returncode == 0
+    rows = export(path)
+    complete = [r for r in rows if r["state"] == "COMPLETE"]
+    lost = [r for r in rows if r["state"] == "LOST"]
+    assert len(complete) == 4 and len(lost) == 2
+    assert {r["x"] for r in lost} <= {r["x"] for r in complete}
+
+
+def test_stop_from_another_process(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=2, parallel=1, steps=200, pause=0.1)
+    run = hpo_background("run", str(path))
+    wait_for(lambda: running_trials(path) == ["0"])
+    began = time.monotonic()
+    stop = hpo("stop", str(path), "0")
+    assert stop.returncode == 0, stop.stderr
+    wait_for(lambda: export(path)[0]["state"] != "RUNNING", timeout=15)
+    assert time.monotonic() - began < 10
+    run.wait(timeout=60)
+    rows = export(path)
+    assert rows[0]["state"] == "STOPPED" and rows[0]["reason"] == "stopped by the user"
+    assert rows[1]["state"] in ("RUNNING", "STOPPED", "COMPLETE")
+    assert not trial_processes()
+
+
+def test_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
+    template = textwrap.dedent("""\
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+        print("x={{ x }}", flush=True)
+        time.sleep(1000)
+        """)
+    path = scenario(tmp_path, trials=1, parallel=1, template=template,
+                    extra="")
+    text = path.read_text().replace("heartbeat: 1}", "heartbeat: 1, timeout: 2}")
+    path.write_text(text)
+    result = hpo("run", str(path))
+    assert result.returncode == 0
+    row = export(path)[0]
+    assert row["state"] == "TIMEOUT" and row["reason"].startswith("TIMEOUT")
+    assert not trial_processes()
+
+
+def test_pruning_ends_bad_trials(tmp_path: Path) -> None:
+    template = textwrap.dedent("""\
+        import time
+        from hpo.results import report
+        x = {{ x }}
+        for step in range(10):
+            time.sleep(0.05)
+            report(step=step, val_error=x)
+        report(val_error=x)
+        """)
+    path = scenario(tmp_path, template=template, parallel=1,
+                    extra="search: {method: monte_carlo, trials: 12, pruner: median, seed: 3}\n")
+    assert hpo("run", str(path)).returncode == 0
+    rows = export(path)
+    pruned = [r for r in rows if r["state"] == "PRUNED"]
+    complete = [r for r in rows if r["state"] == "COMPLETE"]
+    assert pruned and complete
+    assert all(r["reason"].startswith("pruned at step") for r in pruned)
+    assert min(float(r["x"]) for r in pruned) > min(float(r["val_error"]) for r in complete)
+
+
+def test_tail_follows_a_running_trial_to_its_end(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=1, parallel=1, steps=30, pause=0.1)
+    run = hpo_background("run", str(path))
+    wait_for(lambda: running_trials(path) == ["0"])
+    tail = hpo("tail", str(path), "0", timeout=60)
+    run.wait(timeout=60)
+    assert tail.returncode == 0
+    lines = [line for line in tail.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 31 and '"test_error"' in lines[-1]
+
+
+def test_ctrl_c_ends_trials_and_resume_retries_them(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=4, steps=30, pause=0.1)
+    run = hpo_background("run", str(path))
+    wait_for(lambda: len(running_trials(path)) == 2)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=30) == 130
+    assert not trial_processes()
+    rows = export(path)
+    assert [r["state"] for r in rows] == ["INTERRUPTED", "INTERRUPTED"]
+    assert hpo("run", str(path)).returncode == 0
+    rows = export(path)
+    assert sum(r["state"] == "COMPLETE" for r in rows) == 4
+
+
+def test_stop_of_a_finished_trial_is_bad_input(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=1, parallel=1, steps=1, pause=0.0)
+    assert hpo("run", str(path)).returncode == 0
+    result = hpo("stop", str(path), "0")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: trial 0: it is COMPLETE, not running"
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
+def test_two_runs_share_one_store_without_exceeding_the_budget(tmp_path: Path, method: str) -> None:
+    path = scenario(tmp_path, steps=2, pause=0.05,
+                    extra=f"search: {{method: {method}, trials: 10, seed: 5}}\n")
+    runs = [hpo_background("worker", str(path), "--seed", str(seed)) for seed in (1, 2)]
+    for run in runs:
+        assert run.wait(timeout=120) == 0, run.stdout.read() if run.stdout else ""
+    rows = export(path)
+    assert len(rows) == 10 and all(r["state"] == "COMPLETE" for r in rows)
+    assert len({r["x"] for r in rows}) == 10
