@@ -2,7 +2,9 @@
 
 60 trivial trials (a script that sleeps 1 s and prints a metric) on 2 slots: the ideal wall
 time is 60 x 1 s / 2 = 30 s. Prints the wall time, the slot utilization (ideal / wall;
-goal >= 95 %) and the median per-trial overhead of ask + render + spawn + parse + tell.
+goal >= 95 %), the median idle gap of a slot between two trials (what the slot waits for:
+render + spawn, and ask + tell where they are on the critical path), and the median time of
+ask and of tell themselves (for designs they run while the previous trial runs).
 
     python bench/overhead.py [--trials 60] [--slots 2] [--sleep 1.0] [--storage URL]
 """
@@ -14,6 +16,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.launch import plan_slots
@@ -25,6 +28,27 @@ TEMPLATE = textwrap.dedent("""\
     time.sleep({{ sleep }})
     print("val_error={{ x }}")
     """)
+
+
+class TimedSweep(Sweep):
+    """A Sweep that times its ask (claim) and tell (finish) steps."""
+
+    asks: list[float] = []
+    tells: list[float] = []
+
+    def _claim(self) -> Any:
+        began = time.perf_counter()
+        try:
+            return super()._claim()
+        finally:
+            self.asks.append(time.perf_counter() - began)
+
+    def _finish(self, trial: Any, end: TrialEnd) -> None:
+        began = time.perf_counter()
+        try:
+            super()._finish(trial, end)
+        finally:
+            self.tells.append(time.perf_counter() - began)
 
 
 class Collector:
@@ -64,7 +88,7 @@ def main() -> None:
         scenario = load_scenario(folder / "bench.yaml")
         slots = plan_slots(scenario.resources, ())
         url = storage_url(scenario, args.storage, folder / "work")
-        sweep = Sweep(SweepConfig(scenario, url, folder / "work", slots, seed=1))
+        sweep = TimedSweep(SweepConfig(scenario, url, folder / "work", slots, seed=1))
         collector = Collector()
         sweep.prepare()
         began = time.monotonic()
@@ -77,8 +101,10 @@ def main() -> None:
     print(f"trials: {len(collector.ends)} ({', '.join(sorted(states))}) on {args.slots} slots, store {url.split(':')[0]}")
     print(f"wall time: {wall:.2f} s   ideal: {ideal:.2f} s")
     print(f"slot utilization: {100 * ideal / wall:.1f} %   (goal >= 95 %)")
-    print(f"per-trial overhead (ask + render + spawn + parse + tell): median {statistics.median(overheads):.1f} ms, "
-          f"p90 {overheads[int(0.9 * (len(overheads) - 1))]:.1f} ms")
+    print(f"slot idle gap per trial (render + spawn + parse, ask/tell where on the critical path): "
+          f"median {statistics.median(overheads):.1f} ms, p90 {overheads[int(0.9 * (len(overheads) - 1))]:.1f} ms")
+    print(f"ask (lock + budget + ask + suggest): median {1000 * statistics.median(sweep.asks):.1f} ms   "
+          f"tell (result + tell): median {1000 * statistics.median(sweep.tells):.1f} ms")
     print(f"process time beyond the {args.sleep:g} s sleep (interpreter start-up and exit): "
           f"median {1000 * statistics.median(process):.1f} ms")
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -32,11 +34,12 @@ from hpo.render import LOG_FILE, Renderer, trial_folder
 from hpo.results import MetricParser, judge
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
-from hpo.store import (ATTR, STUDY_DESIGN_COUNT, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF, SYS_STOP,
-                       ask_lock, counted_trials, open_study)
+from hpo.store import (RESULT_ATTR, RUN_ATTR, SYS_DESIGN_INDEX, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF,
+                       SYS_STOP, ask_lock, counted_trials, open_study, run_info)
 
 WATCH_INTERVAL_S = 1.0
 _WAIT = object()
+_HOST = socket.gethostname()
 STALE_AFTER_BEATS = 3
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -81,7 +84,7 @@ class SweepConfig:
     workdir: Path
     slots: tuple[Slot, ...]
     seed: int
-    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    worker: str = field(default_factory=lambda: f"{_HOST}:{os.getpid()}")
 
 
 @dataclass
@@ -129,20 +132,28 @@ class Sweep:
         return self._budget
 
     def prepare(self) -> None:
-        """Pre-flight, then (once per study) enqueue the design's points and fail stale trials."""
+        """Pre-flight, then fail the trials of workers that are gone."""
         preflight(self._renderer, self.config.workdir, self._design)
         with ask_lock(self.config.storage):
-            self._enqueue_design()
             self._fail_stale_trials()
 
-    def _enqueue_design(self) -> None:
-        if self._design is None:
+    def _enqueue_next_point(self, trials: list[FrozenTrial]) -> None:
+        """Queue the design's next point, unless a retry already waits (call under the lock).
+
+        Points are queued one at a time, each marked with its index, so the study holds few
+        unfinished trials and reading it stays cheap.
+        """
+        if self._design is None or any(t.state == TrialState.WAITING for t in trials):
             return
-        done = int(self._study.user_attrs.get(STUDY_DESIGN_COUNT, 0))
-        for point in self._design[done:]:
-            self._study.enqueue_trial(point, skip_if_exists=False)
-        if len(self._design) > done:
-            self._study.set_user_attr(STUDY_DESIGN_COUNT, len(self._design))
+        index = 1 + max((int(t.system_attrs[SYS_DESIGN_INDEX]) for t in trials
+                         if SYS_DESIGN_INDEX in t.system_attrs), default=-1)
+        if index >= len(self._design):
+            return
+        point = self._design[index]
+        distributions = space.distributions(self._scenario.parameters)
+        self._study.add_trial(optuna.trial.create_trial(
+            state=TrialState.WAITING, params=point, distributions={k: distributions[k] for k in point},
+            system_attrs={"fixed_params": point, SYS_DESIGN_INDEX: index}))
 
     def interrupt(self) -> None:
         """End running trials (they are retried on resume) and stop asking for more."""
@@ -174,18 +185,44 @@ class Sweep:
             watchdog.join(timeout=5)
 
     def _slot_loop(self, slot: Slot) -> None:
-        while not self._interrupted.is_set():
-            began = time.monotonic()
+        """Run trials on ``slot`` until none is left.
+
+        For designs (points known up front) the next trial is claimed while the current one
+        runs and a finished trial is recorded in the background, so the slot idles only for
+        a process start. Model-based methods claim after each result is told, so every
+        proposal sees every result.
+        """
+        books = ThreadPoolExecutor(1, thread_name_prefix=f"hpo-books-{slot.index}") if self._design else None
+        claimed = self._next_claim()
+        idle_since = time.monotonic()
+        try:
+            while claimed is not None:
+                ahead = books.submit(self._claim) if books else None
+                end = self._execute(slot, *claimed)
+                now = time.monotonic()
+                end = replace(end, overhead_s=max(0.0, now - idle_since - end.duration_s))
+                idle_since = now
+                if books is None or ahead is None:
+                    self._record(claimed[0], end)
+                    claimed = self._next_claim()
+                    continue
+                recorded = books.submit(self._record, claimed[0], end)
+                claimed = ahead.result()
+                if claimed is None or claimed is _WAIT:
+                    recorded.result()
+                    claimed = self._next_claim()
+        finally:
+            if books:
+                books.shutdown(wait=True)
+
+    def _next_claim(self) -> tuple[Trial, dict[str, Any]] | None:
+        """The next trial for a slot, waiting while other workers' last trials still run."""
+        while True:
             claimed = self._claim()
-            if claimed is None:
-                return
-            if claimed is _WAIT:
-                self._interrupted.wait(WATCH_INTERVAL_S)
-                continue
-            end = self._run_trial(slot, *claimed)
-            end = replace(end, overhead_s=time.monotonic() - began - end.duration_s)
-            if self._observer:
-                self._observer.finished(end)
+            if claimed is not _WAIT:
+                return claimed
+            if self._interrupted.wait(WATCH_INTERVAL_S):
+                return None
 
     def _claim(self) -> Any:
         """Ask for the next trial; None when the budget is spent and nothing else runs, or
@@ -199,15 +236,13 @@ class Sweep:
                     mine = set(self._running)
                 others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
                 return _WAIT if others else None
+            self._enqueue_next_point(trials)
             trial = self._study.ask()
             params = space.suggest(trial, self._scenario.parameters)
             token = f"{self._scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
             folder = trial_folder(self.config.workdir, trial.number)
-            for key, value in ((ATTR["folder"], str(folder)), (ATTR["worker"], self.config.worker),
-                               (ATTR["host"], socket.gethostname()), (ATTR["token"], token),
-                               ("worker_seed", self.config.seed)):
-                trial.set_user_attr(key, value)
-            self._beat(trial)
+            trial.set_user_attr(RUN_ATTR, {"folder": str(folder), "worker": self.config.worker,
+                                           "host": _HOST, "token": token, "worker_seed": self.config.seed})
             with self._lock:
                 self._running[trial.number] = _Running(trial, token)
         return trial, params
@@ -215,11 +250,15 @@ class Sweep:
     def _beat(self, trial: Trial) -> None:
         self._study._storage.set_trial_system_attr(trial._trial_id, SYS_HEARTBEAT, time.time())
 
-    def _run_trial(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> TrialEnd:
+    def _execute(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> TrialEnd:
+        """Render and run one trial and judge its outcome; records nothing but intermediate
+        values. Any error becomes a FAIL with its reason."""
         number = trial.number
         folder = trial_folder(self.config.workdir, number)
         scenario = self._scenario
         start = time.monotonic()
+        if self._interrupted.is_set():
+            return TrialEnd(number, "INTERRUPTED", None, {}, 0.0, "interrupted before it started")
         try:
             processes = len(slot.gpus) or slot.processes
             argv = build_argv(scenario.command, params, scenario.flags, processes,
@@ -227,19 +266,28 @@ class Sweep:
             self._renderer.render(folder, number, params, argv)
             if self._observer:
                 self._observer.started(TrialStart(number, params, slot.index, folder))
-            end = self._launch(slot, trial, folder, argv)
+            return self._launch(slot, trial, folder, argv)
         except InputError as exc:
-            end = self._finish(trial, TrialEnd(number, "FAIL", None, {}, time.monotonic() - start, str(exc)))
+            return TrialEnd(number, "FAIL", None, {}, time.monotonic() - start, str(exc))
         except Exception as exc:
-            (folder / LOG_FILE).parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             with (folder / LOG_FILE).open("a") as log:
                 log.write(traceback.format_exc())
-            end = self._finish(trial, TrialEnd(number, "FAIL", None, {}, time.monotonic() - start,
-                                               f"hpo error: {type(exc).__name__}: {exc}"))
+            return TrialEnd(number, "FAIL", None, {}, time.monotonic() - start,
+                            f"hpo error: {type(exc).__name__}: {exc}")
+
+    def _record(self, trial: Trial, end: TrialEnd) -> None:
+        """Tell the store how ``trial`` ended, then the observer. Never raises."""
+        try:
+            self._finish(trial, end)
+        except Exception as exc:  # the store is down: the trial goes stale and is retried
+            print(f"hpo: could not record trial {trial.number}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
         finally:
             with self._lock:
-                self._running.pop(number, None)
-        return end
+                self._running.pop(trial.number, None)
+        if self._observer:
+            self._observer.finished(end)
 
     def _launch(self, slot: Slot, trial: Trial, folder: Path, argv: list[str]) -> TrialEnd:
         scenario = self._scenario
@@ -277,16 +325,13 @@ class Sweep:
             state, value, reason = "INTERRUPTED", None, "interrupted: the sweep was stopped"
         elif result.ended_by is not None:
             state, value, reason = "FAIL", None, result.ended_by
-        return self._finish(trial, TrialEnd(trial.number, state, value, verdict.held_out,
-                                            result.duration_s, reason))
+        return TrialEnd(trial.number, state, value, verdict.held_out, result.duration_s, reason)
 
-    def _finish(self, trial: Trial, end: TrialEnd) -> TrialEnd:
+    def _finish(self, trial: Trial, end: TrialEnd) -> None:
         """Record ``end`` on the trial and tell the study; schedule a retry if one is due."""
-        trial.set_user_attr(ATTR["held_out"], dict(end.held_out))
-        trial.set_user_attr(ATTR["duration"], round(end.duration_s, 3))
-        trial.set_user_attr(ATTR["reason"], end.reason)
-        if end.state in ("TIMEOUT", "STOPPED", "INTERRUPTED"):
-            trial.set_user_attr(ATTR["outcome"], end.state)
+        outcome = end.state if end.state in ("TIMEOUT", "STOPPED", "INTERRUPTED") else None
+        trial.set_user_attr(RESULT_ATTR, {"held_out": dict(end.held_out), "duration_s": round(end.duration_s, 3),
+                                          "reason": end.reason, "outcome": outcome})
         if end.state == "COMPLETE":
             self._study.tell(trial, end.value)
         elif end.state in ("PRUNED", "STOPPED"):
@@ -295,7 +340,6 @@ class Sweep:
             self._study.tell(trial, state=TrialState.FAIL)
             frozen = self._study._storage.get_trial(trial._trial_id)
             self._maybe_retry(frozen, always=end.state == "INTERRUPTED")
-        return end
 
     def _maybe_retry(self, failed: FrozenTrial, always: bool = False) -> None:
         """Enqueue the same configuration again if ``search.retry_failed`` allows it."""
@@ -311,13 +355,15 @@ class Sweep:
     def _is_stale(self, trial: FrozenTrial, now: float) -> bool:
         """A running trial is stale when its worker is gone: a dead process on this host,
         or no heartbeat for ``STALE_AFTER_BEATS`` intervals."""
-        host, _, pid = str(trial.user_attrs.get(ATTR["worker"], "")).rpartition(":")
-        if host == socket.gethostname() and pid.isdigit():
+        host, _, pid = str(run_info(trial).get("worker", "")).rpartition(":")
+        if host == _HOST and pid.isdigit():
             if int(pid) == os.getpid():
                 return False
             if not psutil.pid_exists(int(pid)):
                 return True
         beat = trial.system_attrs.get(SYS_HEARTBEAT)
+        if beat is None and trial.datetime_start is not None:
+            beat = trial.datetime_start.timestamp()
         grace = STALE_AFTER_BEATS * self._scenario.resources.heartbeat
         return beat is None or now - float(beat) > grace
 
@@ -330,11 +376,11 @@ class Sweep:
         for trial in self._study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if trial.number in self._running or not self._is_stale(trial, now):
                 continue
-            token = trial.user_attrs.get(ATTR["token"])
-            if token and trial.user_attrs.get(ATTR["host"]) == socket.gethostname():
-                kill_by_token(str(token))
-            storage.set_trial_user_attr(trial._trial_id, ATTR["reason"], "lost: its worker stopped")
-            storage.set_trial_user_attr(trial._trial_id, ATTR["outcome"], "LOST")
+            run = run_info(trial)
+            if run.get("token") and run.get("host") == _HOST:
+                kill_by_token(str(run["token"]))
+            storage.set_trial_user_attr(trial._trial_id, RESULT_ATTR, {
+                "held_out": {}, "duration_s": None, "reason": "lost: its worker stopped", "outcome": "LOST"})
             if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
                 continue
             self._maybe_retry(storage.get_trial(trial._trial_id))

@@ -195,11 +195,9 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         ended_by: str | None = None
         try:
             while ended_by is None:
-                try:
-                    proc.wait(timeout=POLL_S)
+                reader.join(timeout=POLL_S)
+                if not reader.is_alive() and proc.poll() is not None:
                     break
-                except subprocess.TimeoutExpired:
-                    pass
                 if timeout is not None and time.monotonic() - start > timeout:
                     ended_by = "timeout"
                 else:

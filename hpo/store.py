@@ -4,9 +4,10 @@ Storage URLs are Optuna's (``sqlite:///x.db``, ``postgresql://...``, ``mysql://.
 ``journal:PATH`` for Optuna's journal file. The default is an SQLite file in the workdir,
 opened in WAL mode with a long busy timeout so several workers can share it.
 
-What hpo records on a trial beyond Optuna's own fields lives in user attributes (names in
-:data:`ATTR`); :func:`trial_rows` turns trials into the rows that status, export and plots
-show. Asking for a trial happens under :func:`ask_lock`, which serialises askers across
+What hpo records on a trial beyond Optuna's own fields lives in two user attributes, each
+written once: ``run`` when the trial starts (folder, worker, host, process token, worker
+seed) and ``result`` when it ends (held-out metrics, duration, reason, outcome).
+:func:`trial_rows` turns trials into the rows that status, export and plots show. Asking for a trial happens under :func:`ask_lock`, which serialises askers across
 threads, processes and (for server databases) machines, so the trial budget is exact.
 """
 from __future__ import annotations
@@ -27,21 +28,13 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo.errors import InputError
 from hpo.scenario import Scenario
 
-ATTR = {
-    "held_out": "held_out",
-    "folder": "folder",
-    "reason": "reason",
-    "duration": "duration_s",
-    "outcome": "outcome",
-    "worker": "worker",
-    "host": "host",
-    "token": "token",
-}
+RUN_ATTR = "run"
+RESULT_ATTR = "result"
 SYS_HEARTBEAT = "hpo:heartbeat"
 SYS_STOP = "hpo:stop"
 SYS_RETRY_OF = "hpo:retry_of"
 SYS_RETRIES = "hpo:retries"
-STUDY_DESIGN_COUNT = "hpo:design_enqueued"
+SYS_DESIGN_INDEX = "hpo:design_index"
 STUDY_METRIC = "hpo:metric"
 SQLITE_TIMEOUT_S = 120
 _THREAD_LOCK = threading.Lock()
@@ -184,21 +177,32 @@ class TrialRow:
     retry_of: int | None = None
 
 
+def run_info(trial: FrozenTrial) -> dict[str, Any]:
+    """What was recorded when the trial started (empty for trials hpo did not run)."""
+    return dict(trial.user_attrs.get(RUN_ATTR) or {})
+
+
+def result_info(trial: FrozenTrial) -> dict[str, Any]:
+    """What was recorded when the trial ended (empty while it runs)."""
+    return dict(trial.user_attrs.get(RESULT_ATTR) or {})
+
+
 def display_state(trial: FrozenTrial) -> str:
     """Optuna's state name, or hpo's finer outcome (e.g. STOPPED) when one was recorded."""
-    return str(trial.user_attrs.get(ATTR["outcome"]) or trial.state.name)
+    return str(result_info(trial).get("outcome") or trial.state.name)
 
 
 def trial_row(trial: FrozenTrial) -> TrialRow:
     """The :class:`TrialRow` of one Optuna trial."""
-    duration = trial.user_attrs.get(ATTR["duration"])
+    result = result_info(trial)
+    duration = result.get("duration_s")
     if duration is None and trial.datetime_start and trial.datetime_complete:
         duration = (trial.datetime_complete - trial.datetime_start).total_seconds()
     value = trial.value if trial.state == TrialState.COMPLETE else None
     return TrialRow(number=trial.number, state=display_state(trial), params=dict(trial.params),
-                    value=value, held_out=dict(trial.user_attrs.get(ATTR["held_out"], {})),
-                    duration_s=duration, folder=str(trial.user_attrs.get(ATTR["folder"], "")),
-                    reason=str(trial.user_attrs.get(ATTR["reason"], "")),
+                    value=value, held_out=dict(result.get("held_out") or {}),
+                    duration_s=duration, folder=str(run_info(trial).get("folder", "")),
+                    reason=str(result.get("reason", "")),
                     retry_of=trial.system_attrs.get(SYS_RETRY_OF))
 
 

@@ -79,12 +79,13 @@ def export(path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(result.stdout)))
 
 
-def trial_processes(token_prefix: str = "sweep:") -> list[psutil.Process]:
-    """Live processes that belong to a trial of the test's study."""
+def trial_processes(folder: Path) -> list[psutil.Process]:
+    """Live trial processes of the sweep whose scenario lives in ``folder``."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(TOKEN_ENV, "").startswith(token_prefix):
+            env = proc.environ()
+            if TOKEN_ENV in env and env.get("HPO_TRIAL_DIR", "").startswith(str(folder)):
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -106,7 +107,7 @@ def running_trials(path: Path) -> list[str]:
         return []
     try:
         study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{database}")
-    except KeyError:
+    except Exception:  # the run is still creating the store
         return []
     return [str(t.number) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
 
@@ -114,47 +115,47 @@ def running_trials(path: Path) -> list[str]:
 def test_kill_9_then_rerun_finishes_exactly_the_budget(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=8, steps=20, pause=0.1)
     first = hpo_background("run", str(path))
-    wait_for(lambda: len(running_trials(path)) == 2 and len(trial_processes()) >= 2)
+    wait_for(lambda: len(trial_processes(tmp_path)) >= 2)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    wait_for(lambda: not trial_processes(), timeout=20)
+    wait_for(lambda: not trial_processes(tmp_path), timeout=20)
     second = hpo("run", str(path))
     assert second.returncode == 0, second.stdout + second.stderr
     rows = export(path)
     assert len(rows) == 8 and not [r for r in rows if r["state"] == "RUNNING"]
     lost = [r for r in rows if r["state"] == "LOST"]
-    assert len(lost) == 2 and all("worker stopped" in r["reason"] for r in lost)
-    assert not trial_processes()
+    assert 2 <= len(lost) <= 4 and all("worker stopped" in r["reason"] for r in lost)
+    assert not trial_processes(tmp_path)
 
 
 def test_kill_9_with_retry_reruns_the_lost_configuration(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=4, steps=20, pause=0.1, extra="search: {method: monte_carlo, trials: 4, retry_failed: 1}\n")
     first = hpo_background("run", str(path))
-    wait_for(lambda: len(running_trials(path)) == 2)
+    wait_for(lambda: len(trial_processes(tmp_path)) == 2)
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert hpo("run", str(path)).returncode == 0
     rows = export(path)
     complete = [r for r in rows if r["state"] == "COMPLETE"]
     lost = [r for r in rows if r["state"] == "LOST"]
-    assert len(complete) == 4 and len(lost) == 2
+    assert len(complete) == 4 and len(lost) >= 2
     assert {r["x"] for r in lost} <= {r["x"] for r in complete}
 
 
 def test_stop_from_another_process(tmp_path: Path) -> None:
-    path = scenario(tmp_path, trials=2, parallel=1, steps=200, pause=0.1)
+    path = scenario(tmp_path, trials=1, parallel=1, steps=200, pause=0.1)
     run = hpo_background("run", str(path))
-    wait_for(lambda: running_trials(path) == ["0"])
+    wait_for(lambda: "0" in running_trials(path) and len(trial_processes(tmp_path)) == 1)
     began = time.monotonic()
     stop = hpo("stop", str(path), "0")
     assert stop.returncode == 0, stop.stderr
     wait_for(lambda: export(path)[0]["state"] != "RUNNING", timeout=15)
     assert time.monotonic() - began < 10
-    run.wait(timeout=60)
+    assert run.wait(timeout=60) == 0
     rows = export(path)
+    assert len(rows) == 1
     assert rows[0]["state"] == "STOPPED" and rows[0]["reason"] == "stopped by the user"
-    assert rows[1]["state"] in ("RUNNING", "STOPPED", "COMPLETE")
-    assert not trial_processes()
+    assert not trial_processes(tmp_path)
 
 
 def test_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
     assert result.returncode == 0
     row = export(path)[0]
     assert row["state"] == "TIMEOUT" and row["reason"].startswith("TIMEOUT")
-    assert not trial_processes()
+    assert not trial_processes(tmp_path)
 
 
 def test_pruning_ends_bad_trials(tmp_path: Path) -> None:
@@ -199,7 +200,7 @@ def test_pruning_ends_bad_trials(tmp_path: Path) -> None:
 def test_tail_follows_a_running_trial_to_its_end(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=1, parallel=1, steps=30, pause=0.1)
     run = hpo_background("run", str(path))
-    wait_for(lambda: running_trials(path) == ["0"])
+    wait_for(lambda: "0" in running_trials(path))
     tail = hpo("tail", str(path), "0", timeout=60)
     run.wait(timeout=60)
     assert tail.returncode == 0
@@ -210,15 +211,18 @@ def test_tail_follows_a_running_trial_to_its_end(tmp_path: Path) -> None:
 def test_ctrl_c_ends_trials_and_resume_retries_them(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=4, steps=30, pause=0.1)
     run = hpo_background("run", str(path))
-    wait_for(lambda: len(running_trials(path)) == 2)
+    wait_for(lambda: len(trial_processes(tmp_path)) == 2)
     run.send_signal(signal.SIGINT)
     assert run.wait(timeout=30) == 130
-    assert not trial_processes()
+    assert not trial_processes(tmp_path)
     rows = export(path)
-    assert [r["state"] for r in rows] == ["INTERRUPTED", "INTERRUPTED"]
+    interrupted = [r for r in rows if r["state"] == "INTERRUPTED"]
+    assert len(interrupted) >= 2 and not [r for r in rows if r["state"] == "RUNNING"]
     assert hpo("run", str(path)).returncode == 0
     rows = export(path)
-    assert sum(r["state"] == "COMPLETE" for r in rows) == 4
+    complete = [r for r in rows if r["state"] == "COMPLETE"]
+    assert len(complete) == 4
+    assert {r["x"] for r in interrupted} <= {r["x"] for r in complete}
 
 
 def test_stop_of_a_finished_trial_is_bad_input(tmp_path: Path) -> None:
