@@ -133,15 +133,16 @@ def _print_status(ctx: Context, limit: int | None) -> None:
     scenario = ctx.scenario
     rows = trial_rows(_load_study(ctx))
     best = best_row(rows, scenario.objective.direction)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=240)
     if limit != 0:
         table = Table(title=f"{scenario.name}: {len(rows)} trials", title_justify="left")
-        for column in ("trial", "state", "parameters", scenario.objective.metric,
+        names = [name for name, p in scenario.parameters.items() if p.type != "constant"]
+        for column in ("trial", "state", *names, scenario.objective.metric,
                        *scenario.objective.held_out, "seconds", "reason"):
             table.add_column(column, overflow="fold")
         for row in rows[-limit:] if limit else rows:
             mark = " *" if best is not None and row.number == best.number else ""
-            table.add_row(f"{row.number}{mark}", row.state, format_params(row.params),
+            table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
                           _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
                           _number(row.duration_s, ".1f"), row.reason)
         console.print(table)
@@ -150,7 +151,13 @@ def _print_status(ctx: Context, limit: int | None) -> None:
     else:
         held = " ".join(f"{k}={v:.4g}" for k, v in best.held_out.items())
         console.print(f"best: trial {best.number} {scenario.objective.metric}={best.value:.4g} {held}"
-                      f"  ({format_params(best.params)})", highlight=False)
+                      f"  ({format_params(best.params)})", highlight=False, soft_wrap=True)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _number(value: float | None, fmt: str = ".4g") -> str:

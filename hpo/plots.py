@@ -97,7 +97,9 @@ def _optuna_chart(draw: Callable[..., Any], study: Any, path: Path, **kwargs: An
             return None
     figure = result.flat[0].figure if hasattr(result, "flat") else result.figure
     figure.set_size_inches(max(figure.get_size_inches()[0], 8), max(figure.get_size_inches()[1], 4.5))
-    figure.tight_layout()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
@@ -117,7 +119,7 @@ def draw_all(study: Any, scenario: Scenario, folder: Path) -> list[Path]:
              draw_states(rows, f"{scenario.name}: trial outcomes", folder / "states.png")]
     if sum(r.value is not None for r in rows) >= 2:
         varying = [n for n, p in scenario.parameters.items() if p.type != "constant"]
-        for name, draw, kwargs in (("importances", ov.plot_param_importances, {}),
+        for name, draw, kwargs in (("importances", ov.plot_param_importances, {"params": varying}),
                                    ("slice", ov.plot_slice, {"params": varying}),
                                    ("parallel", ov.plot_parallel_coordinate, {"params": varying})):
             path = _optuna_chart(draw, study, folder / f"{name}.png", target_name=metric, **kwargs)
