@@ -81,9 +81,20 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except ImportError as exc:
-        raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name})") from None
+        raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
+                         f"pip install 'hpo[postgres]' for PostgreSQL") from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
-        raise InputError(f"--storage: cannot open {url}: {str(exc).splitlines()[0]}") from None
+        raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
+
+
+def redact(url: str) -> str:
+    """``url`` with any password masked, for messages."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
 
 
 def open_study(scenario: Scenario, url: str, sampler: optuna.samplers.BaseSampler | None = None,
@@ -119,7 +130,7 @@ def ask_lock(url: str) -> Iterator[None]:
     with _THREAD_LOCK:
         local = _sqlite_path(url) or _journal_path(url)
         if local is not None:
-            lock_path = local.with_name(local.name + ".lock")
+            lock_path = local.with_name(local.name + ".hpo-lock")
             lock_path.parent.mkdir(parents=True, exist_ok=True)
             with lock_path.open("a") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX)

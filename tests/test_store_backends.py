@@ -1,0 +1,109 @@
+"""One contract, every storage backend: SQLite, Optuna's journal file, and PostgreSQL.
+
+PostgreSQL runs where ``HPO_TEST_POSTGRES_URL`` names a server (CI starts one); elsewhere
+that backend is skipped.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.engine import request_stop
+from hpo.errors import InputError
+from hpo.scenario import Scenario, load_scenario
+from hpo.store import RESULT_ATTR, RUN_ATTR, SYS_STOP, ask_lock, open_study, trial_rows
+
+REPO = Path(__file__).resolve().parents[1]
+POSTGRES = os.environ.get("HPO_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", "journal", "postgresql"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A storage URL of each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'study.db'}"
+    if request.param == "journal":
+        return f"journal:{tmp_path / 'study.log'}"
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    return POSTGRES
+
+
+def make_scenario(tmp_path: Path, trials: int = 4, method: str = "monte_carlo") -> Scenario:
+    """A fast scenario with a study name of its own (servers outlive tests)."""
+    (tmp_path / "trial.py.j2").write_text("print('val_error={{ x }}')\nprint('test_error={{ x / 2 }}')\n")
+    path = tmp_path / "contract.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: contract-{uuid.uuid4().hex[:10]}
+        template: trial.py.j2
+        command: python trial.py
+        parameters:
+          x: {{type: float, low: 0, high: 1}}
+        search: {{method: {method}, trials: {trials}, seed: 4}}
+        objective: {{metric: val_error, held_out: [test_error]}}
+        resources: {{parallel: 2, gpus_per_trial: 1}}
+        """))
+    return load_scenario(path)
+
+
+def test_create_then_reopen(backend: str, tmp_path: Path) -> None:
+    scenario = make_scenario(tmp_path)
+    study = open_study(scenario, backend)
+    trial = study.ask()
+    trial.suggest_float("x", 0, 1)
+    trial.set_user_attr(RUN_ATTR, {"folder": "/f"})
+    trial.set_user_attr(RESULT_ATTR, {"held_out": {"test_error": 0.2}, "duration_s": 1.0, "reason": "", "outcome": None})
+    study.tell(trial, 0.1)
+    again = open_study(scenario, backend, create=False)
+    rows = trial_rows(again)
+    assert len(rows) == 1
+    assert rows[0].state == "COMPLETE" and rows[0].value == 0.1
+    assert rows[0].held_out == {"test_error": 0.2} and rows[0].folder == "/f"
+
+
+def test_a_missing_study_is_bad_input(backend: str, tmp_path: Path) -> None:
+    scenario = make_scenario(tmp_path)
+    with pytest.raises(InputError, match="no study named contract-"):
+        open_study(scenario, backend, create=False)
+
+
+def test_stop_request_reaches_another_connection(backend: str, tmp_path: Path) -> None:
+    scenario = make_scenario(tmp_path)
+    study = open_study(scenario, backend)
+    trial = study.ask()
+    request_stop(open_study(scenario, backend, create=False), trial.number)
+    seen = open_study(scenario, backend, create=False).get_trials(deepcopy=False)[0]
+    assert SYS_STOP in seen.system_attrs and seen.state == TrialState.RUNNING
+
+
+def test_ask_lock_is_reentrant_across_studies(backend: str, tmp_path: Path) -> None:
+    with ask_lock(backend):
+        pass
+    with ask_lock(backend):
+        pass
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
+def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method: str) -> None:
+    scenario = make_scenario(tmp_path, trials=9, method=method)
+    env = dict(os.environ, HPO_GPUS="", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    workers = [subprocess.Popen([sys.executable, "-m", "hpo", "worker", str(scenario.path), "--storage", backend,
+                                 "--seed", str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for seed in (1, 2)]
+    outputs = [worker.communicate(timeout=180)[0] for worker in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    rows = trial_rows(open_study(scenario, backend, create=False))
+    assert len(rows) == 9 and all(r.state == "COMPLETE" for r in rows)
+    assert len({r.params["x"] for r in rows}) == 9
+    assert all(r.held_out["test_error"] == pytest.approx(r.value / 2, rel=1e-6) for r in rows)
+    assert optuna.load_study(study_name=scenario.name, storage=backend if not backend.startswith("journal:")
+                             else optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+                                 backend[len("journal:"):]))).best_value == min(r.value for r in rows)
