@@ -13,7 +13,7 @@ stdout, so start-up and the first (warm-up) epoch are left out. Runs are interle
 (every loop and process count once, then again, ``--repeats`` times) and the fastest
 epoch counts: on a shared machine, other work only ever slows an epoch down. Both loops
 reach the same validation errors, which shows they do the same work.
-Usage: ``python bench/ddp_scaling.py [--procs 1 2] [--epochs 6] [--repeats 3]``.
+Usage: ``python bench/ddp_scaling.py [--procs 1 2] [--epochs 5] [--repeats 3]``.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--procs", type=int, nargs="+",
                         help="process counts (default: 1 and 2 on CPU, 1..N on N GPUs)")
-    parser.add_argument("--epochs", type=int, default=6, help="epochs per run, first is warm-up")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per run, first is warm-up")
     parser.add_argument("--repeats", type=int, default=3, help="runs per setting")
     parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
