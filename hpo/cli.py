@@ -89,10 +89,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_workers(ctx: Context, workers: int) -> int:
+    """Start ``workers`` optimizer processes sharing the study; show their progress from the store."""
     from hpo.engine import Sweep, SweepConfig
+    from hpo.progress import ProgressView, follow_study
+    from hpo.store import trial_rows
 
     slots = _slots(ctx, None, None)
-    Sweep(SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, ctx.scenario.search.seed)).prepare()
+    sweep = Sweep(SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, ctx.scenario.search.seed))
+    sweep.prepare()
     shares = [slots[i::workers] for i in range(workers)]
     procs = []
     for index, share in enumerate(shares):
@@ -102,18 +106,25 @@ def _run_workers(ctx: Context, workers: int) -> int:
         gpus = [g for slot in share for g in slot.gpus]
         if gpus:
             argv += ["--gpus", ",".join(map(str, gpus))]
-        procs.append(subprocess.Popen(argv))
-    print(f"started {workers} workers on {ctx.storage}", flush=True)
+        log = (ctx.workdir / f"worker-{index}.log").open("w")
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    print(f"started {workers} workers on {ctx.storage} (logs: {ctx.workdir}/worker-*.log)", flush=True)
+    view = ProgressView(trial_rows(sweep.study), sweep.budget, ctx.scenario.objective.direction,
+                        ctx.scenario.objective.metric, len(slots))
     try:
-        codes = [proc.wait() for proc in procs]
+        with view:
+            follow_study(sweep.study, view, lambda: all(proc.poll() is not None for proc in procs))
     except KeyboardInterrupt:
         for proc in procs:
             proc.send_signal(signal.SIGINT)
         for proc in procs:
             proc.wait()
         raise
-    _print_status(ctx, limit=0)
-    return EXIT_OK if all(code == 0 for code in codes) else EXIT_ERROR
+    codes = [proc.wait() for proc in procs]
+    failed = [f"worker-{i}" for i, code in enumerate(codes) if code != 0]
+    if failed:
+        print(f"{', '.join(failed)} ended with an error: see {ctx.workdir}/worker-*.log", file=sys.stderr)
+    return EXIT_OK if not failed else EXIT_ERROR
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

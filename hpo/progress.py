@@ -8,14 +8,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from hpo.engine import TrialEnd, TrialStart
-from hpo.store import TrialRow, best_row
+from hpo.engine import Observer, TrialEnd, TrialStart
+from hpo.store import TrialRow, best_row, trial_rows
 
 FAILED_STATES = ("FAIL", "TIMEOUT", "INTERRUPTED", "LOST")
 PRUNED_STATES = ("PRUNED", "STOPPED")
@@ -78,7 +79,8 @@ class ProgressView:
         with self._lock:
             self._tally.running[start.number] = (start, time.monotonic())
         if self._live is None:
-            self._console.print(f"trial {start.number} started on slot {start.slot}: {format_params(start.params)}",
+            where = f" on slot {start.slot}" if start.slot >= 0 else ""
+            self._console.print(f"trial {start.number} started{where}: {format_params(start.params)}",
                                 highlight=False, markup=False, soft_wrap=True)
 
     def finished(self, end: TrialEnd) -> None:
@@ -134,3 +136,26 @@ class ProgressView:
                 table.add_row(str(number), str(start.slot), f"{now - since:.0f} s", format_params(start.params))
             best = self._best_text().strip() or "best: none yet"
         return Group(head, best, table)
+
+
+def follow_study(study: Any, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:
+    """Turn what the store shows into observer events until ``finished()`` (then once more).
+
+    For watching workers in other processes: a trial seen RUNNING is ``started``, a trial
+    seen ended is ``finished``; each event is sent once.
+    """
+    started: set[int] = set()
+    ended: set[int] = {row.number for row in trial_rows(study) if row.state != "RUNNING"}
+    while True:
+        done = finished()
+        for row in trial_rows(study):
+            if row.number not in started and row.number not in ended:
+                started.add(row.number)
+                observer.started(TrialStart(row.number, row.params, -1, Path(row.folder)))
+            if row.state != "RUNNING" and row.number not in ended:
+                ended.add(row.number)
+                observer.finished(TrialEnd(row.number, row.state, row.value, row.held_out,
+                                           row.duration_s or 0.0, row.reason))
+        if done:
+            return
+        time.sleep(every_s)

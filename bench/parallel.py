@@ -1,0 +1,90 @@
+"""The parallel shared-model optimizer: K workers vs one, at the same total number of trials.
+
+Each trial evaluates Hartmann-6 (minimum -3.32237) and sleeps to stand in for training.
+The study runs with ``hpo run --workers 1`` and ``--workers K`` (one slot each) for several
+seeds, through the real CLI and an SQLite store. Prints the median regret of each, their
+ratio (goal: K workers within 1.5x of one), duplicate configurations (goal: 0), and the
+throughput in trials per hour.
+
+    python bench/parallel.py [--workers 4] [--trials 60] [--seeds 3] [--sleep 0.3] [--method smac]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from hpo.scenario import load_scenario
+from hpo.store import open_study, storage_url, trial_rows
+
+HARTMANN6_MIN = -3.32237
+TEMPLATE = textwrap.dedent("""\
+    import math, time
+    A = [[10, 3, 17, 3.5, 1.7, 8], [0.05, 10, 17, 0.1, 8, 14], [3, 3.5, 1.7, 10, 17, 8], [17, 8, 0.05, 10, 0.1, 14]]
+    P = [[0.1312, 0.1696, 0.5569, 0.0124, 0.8283, 0.5886], [0.2329, 0.4135, 0.8307, 0.3736, 0.1004, 0.9991],
+         [0.2348, 0.1451, 0.3522, 0.2883, 0.3047, 0.6650], [0.4047, 0.8828, 0.8732, 0.5743, 0.1091, 0.0381]]
+    ALPHA = [1.0, 1.2, 3.0, 3.2]
+    x = [{{ x0 }}, {{ x1 }}, {{ x2 }}, {{ x3 }}, {{ x4 }}, {{ x5 }}]
+    value = -sum(a * math.exp(-sum(A[i][j] * (x[j] - P[i][j]) ** 2 for j in range(6))) for i, a in enumerate(ALPHA))
+    time.sleep({{ sleep }})
+    print(f"val_error={value}")
+    """)
+
+
+def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, method: str) -> tuple[float, int, float]:
+    """Run one study; return (regret, duplicate configurations, trials per hour)."""
+    params = "\n".join(f"  x{i}: {{type: float, low: 0.0, high: 1.0}}" for i in range(6))
+    scenario_path = folder / f"h6-{workers}-{seed}.yaml"
+    scenario_path.write_text(
+        f"name: h6-{workers}-{seed}\ntemplate: trial.py.j2\ncommand: python trial.py\nparameters:\n{params}\n"
+        f"  sleep: {{type: constant, value: {sleep}}}\n"
+        f"search: {{method: {method}, trials: {trials}, seed: {seed}}}\n"
+        f"resources: {{parallel: {workers}, gpus_per_trial: 1}}\n")
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "hpo", "run", str(scenario_path), "--workers", str(workers)],
+                         capture_output=True, text=True, env=dict(os.environ, HPO_GPUS=""))
+    wall = time.monotonic() - began
+    if run.returncode != 0:
+        raise SystemExit(f"hpo run failed:\n{run.stdout}\n{run.stderr}")
+    scenario = load_scenario(scenario_path)
+    rows = trial_rows(open_study(scenario, storage_url(scenario), create=False))
+    values = [row.value for row in rows if row.value is not None]
+    configs = [tuple(round(row.params[f"x{i}"], 12) for i in range(6)) for row in rows]
+    assert len(rows) == trials, f"{len(rows)} trials instead of {trials}"
+    return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
+
+
+def main() -> None:
+    """Run the benchmark and print its figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=60)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--sleep", type=float, default=0.3)
+    parser.add_argument("--method", default="smac")
+    args = parser.parse_args()
+    results: dict[int, list[tuple[float, int, float]]] = {1: [], args.workers: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "trial.py.j2").write_text(TEMPLATE)
+        for seed in range(1, args.seeds + 1):
+            for workers in results:
+                results[workers].append(run_study(folder, workers, args.trials, seed, args.sleep, args.method))
+    print(f"Hartmann-6, method {args.method}, {args.trials} trials, {args.seeds} seeds, {args.sleep:g} s per trial")
+    print(f"{'workers':>8} {'median regret':>14} {'duplicates':>11} {'trials/hour':>12}")
+    for workers, runs in results.items():
+        print(f"{workers:>8} {statistics.median(r[0] for r in runs):>14.4f} {sum(r[1] for r in runs):>11} "
+              f"{statistics.median(r[2] for r in runs):>12.0f}")
+    one, many = (statistics.median(r[0] for r in results[w]) for w in results)
+    speed = statistics.median(r[2] for r in results[args.workers]) / statistics.median(r[2] for r in results[1])
+    print(f"regret ratio {args.workers} workers / 1 worker: {many / one:.2f} (goal <= 1.5)   throughput x{speed:.2f}")
+
+
+if __name__ == "__main__":
+    main()
