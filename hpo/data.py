@@ -30,13 +30,13 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte",
 )
 _IDX_UBYTE = 0x08
-_MNIST_HELP = "download them from the MNIST site (.gz files are fine) and place them there"
+_MNIST_HELP = "download them from the MNIST site and place them there, gzipped or not"
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_BATCH = "test_batch"
-_CIFAR10_HELP = (f"download the CIFAR-10 python version and extract {CIFAR10_FOLDER} "
-                 "there (or point data_dir at that folder)")
+_CIFAR10_HELP = (f"download the CIFAR-10 python version and extract its {CIFAR10_FOLDER} "
+                 "folder there, or point data_dir at that folder")
 # The only globals a CIFAR-10 batch may reference: numpy array reconstruction, and the
 # bytes constructor that protocol-2 pickles written by Python 3 use.
 _CIFAR10_PICKLE_GLOBALS = frozenset({
@@ -64,8 +64,11 @@ def read_idx(path: Path) -> np.ndarray:
 
     Raises InputError when the file is not an unsigned-byte IDX file or is truncated.
     """
-    with _open(path) as stream:
-        raw = bytearray(stream.read())
+    try:
+        with _open(path) as stream:
+            raw = bytearray(stream.read())
+    except (OSError, EOFError) as exc:
+        raise InputError(f"cannot read {path}: {exc}") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != _IDX_UBYTE:
         raise InputError(f"{path} is not an unsigned-byte IDX file (bad magic number)")
     ndim = raw[3]

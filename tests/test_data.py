@@ -93,6 +93,14 @@ def test_a_file_that_is_not_idx_is_bad_input(tmp_path: Path) -> None:
         read_idx(path)
 
 
+def test_a_gz_file_that_is_not_gzip_is_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    path.write_bytes(bytes.fromhex("00000801" "00000001" "07"))
+
+    with pytest.raises(InputError, match="cannot read .*t10k-labels-idx1-ubyte.gz"):
+        read_idx(path)
+
+
 def test_a_truncated_idx_file_is_bad_input(tmp_path: Path) -> None:
     write_mnist_idx(tmp_path, np.zeros((2, 28, 28), np.uint8), [0, 1], train=True)
     path = tmp_path / "train-images-idx3-ubyte"
