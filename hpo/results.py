@@ -69,7 +69,7 @@ class Metrics:
 
 def _number(text: str) -> float | None:
     try:
-        return float(text.strip().rstrip(","))
+        return float(text.strip().rstrip(",;"))
     except ValueError:
         return None
 
@@ -164,6 +164,8 @@ class MetricParser:
         self._final.update(values)
         for key in values:
             self._invalid.pop(key, None)
+        for key in invalid:
+            self._final.pop(key, None)
         self._invalid.update(invalid)
         return MetricLine(values=values)
 

@@ -62,19 +62,33 @@ def distributions(params: Params) -> dict[str, Any]:
     return out
 
 
+def _steps(p: Param) -> tuple[float, int] | None:
+    """The step and value count of a stepped float or non-log int; None otherwise."""
+    if p.type == "int" and not p.log:
+        step: float = int(p.step or 1)
+    elif p.type == "float" and p.step is not None:
+        step = p.step
+    else:
+        return None
+    return step, int(math.floor((p.high - p.low) / step + 1e-9)) + 1
+
+
+def _on_step(p: Param, step: float, k: int) -> Any:
+    """The ``k``-th value of a stepped parameter: ``low + k * step``."""
+    return int(p.low) + k * int(step) if p.type == "int" else round(p.low + k * step, 12)
+
+
 def _grid_values(p: Param) -> list[Any] | None:
     """The finite values of a stepped or categorical parameter; None if continuous."""
     if p.type == "constant":
         return [p.value]
     if p.type == "categorical":
         return list(p.choices or ())
-    if p.type == "int" and not p.log:
-        step = int(p.step or 1)
-        return list(range(int(p.low), int(p.high) + 1, step))
-    if p.type == "float" and p.step is not None:
-        count = int(math.floor((p.high - p.low) / p.step + 1e-9)) + 1
-        return [round(p.low + i * p.step, 12) for i in range(count)]
-    return None
+    steps = _steps(p)
+    if steps is None:
+        return None
+    step, count = steps
+    return [_on_step(p, step, k) for k in range(count)]
 
 
 def grid_values(name: str, p: Param) -> list[Any]:
@@ -91,8 +105,8 @@ def config_space(params: Params, seed: int | None = None) -> Any:
     """The ConfigSpace space of ``params``, conditions included."""
     from ConfigSpace import (
         CategoricalHyperparameter, ConfigurationSpace, Constant, EqualsCondition, InCondition,
-        NormalFloatHyperparameter, OrdinalHyperparameter, UniformFloatHyperparameter,
-        UniformIntegerHyperparameter)
+        NormalFloatHyperparameter, NormalIntegerHyperparameter, OrdinalHyperparameter,
+        UniformFloatHyperparameter, UniformIntegerHyperparameter)
 
     space = ConfigurationSpace(seed=seed)
     hps: dict[str, Any] = {}
@@ -101,6 +115,8 @@ def config_space(params: Params, seed: int | None = None) -> Any:
             hp: Any = Constant(name, p.value)
         elif p.type == "categorical":
             hp = CategoricalHyperparameter(name, list(p.choices or ()))
+        elif p.is_normal and p.type == "int":
+            hp = NormalIntegerHyperparameter(name, mu=p.mean, sigma=p.std, lower=int(p.low), upper=int(p.high))
         elif p.is_normal:
             hp = NormalFloatHyperparameter(name, mu=p.mean, sigma=p.std, lower=p.low, upper=p.high)
         elif p.step is not None and (p.type == "float" or p.step != 1):
@@ -130,23 +146,27 @@ def free_parameters(params: Params) -> list[str]:
 
 def _from_unit_one(p: Param, u: float) -> Any:
     u = min(max(u, 0.0), 1.0 - 1e-12)
-    values = _grid_values(p)
+    if p.type == "categorical":
+        choices = p.choices or ()
+        return choices[int(u * len(choices))]
+    steps = _steps(p)
     if p.is_normal:
         from scipy.stats import norm
 
         x = float(np.clip(p.mean + p.std * norm.ppf(min(max(u, 1e-12), 1 - 1e-12)), p.low, p.high))
-        if p.type == "int":
-            return int(round(x))
-        return round(p.low + round((x - p.low) / p.step) * p.step, 12) if p.step else x
-    if values is not None:
-        return values[int(u * len(values))]
+        if steps is None:
+            return x
+        step, count = steps
+        return _on_step(p, step, min(max(round((x - p.low) / step), 0), count - 1))
+    if steps is not None:
+        step, count = steps
+        return _on_step(p, step, min(int(u * count), count - 1))
     if p.log:
         x = math.exp(math.log(p.low) + u * (math.log(p.high) - math.log(p.low)))
     else:
         x = p.low + u * (p.high - p.low)
-    if p.type == "int":
-        return int(min(max(round(x), p.low), p.high))
-    return x
+    x = min(max(x, p.low), p.high)
+    return int(round(x)) if p.type == "int" else x
 
 
 def from_unit(params: Params, point: np.ndarray) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""Fixture factories shared by the test suite: a scenario writer and a CLI runner."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCENARIO_FILE = "scenario.yaml"
+TEMPLATE_FILE = "train.py.j2"
+CLI_TIMEOUT_S = 120
+
+TEMPLATE_TEXT = """\
+from hpo.results import report
+
+x = {{ x }}
+report(val_error=x / 2, test_error=1 - x)
+"""
+
+BASE_SCENARIO: dict[str, Any] = {
+    "name": "demo",
+    "template": TEMPLATE_FILE,
+    "command": "python train.py",
+    "parameters": {
+        "x": {"type": "float", "low": 0.0, "high": 1.0},
+        "opt": {"type": "categorical", "choices": ["a", "b"]},
+    },
+    "search": {"method": "monte_carlo", "trials": 2, "seed": 1},
+    "objective": {"metric": "val_error", "direction": "minimize", "held_out": ["test_error"]},
+    "resources": {"parallel": 1, "timeout": 60},
+}
+
+WriteScenario = Callable[..., Path]
+RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` into a copy of ``base``: mappings merge, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _drop(data: dict[str, Any], dotted: str) -> None:
+    """Remove the key at a dotted path such as ``search.trials``."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        data = data[part]
+    del data[last]
+
+
+def write_scenario_file(folder: Path, *, drop: Sequence[str] = (), template_text: str | None = TEMPLATE_TEXT,
+                        files: Mapping[str, str] | None = None, raw: str | None = None,
+                        **overrides: Any) -> Path:
+    """Write a small valid scenario (plus its template) into ``folder``; return its path.
+
+    ``drop`` first removes dotted keys (``search.trials``) from :data:`BASE_SCENARIO`, then
+    ``overrides`` deep-merge into it (mappings merge, other values replace);
+    ``template_text`` replaces the template (None writes none); ``files`` are extra files
+    written beside; ``raw`` is written verbatim as the scenario instead of YAML.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    base = copy.deepcopy(BASE_SCENARIO)
+    for dotted in drop:
+        _drop(base, dotted)
+    data = _merge(base, overrides)
+    if template_text is not None:
+        (folder / TEMPLATE_FILE).write_text(template_text)
+    for name, text in (files or {}).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    path = folder / SCENARIO_FILE
+    path.write_text(raw if raw is not None else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a CLI run: the repo importable, no GPUs, no rank, no debug."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["HPO_GPUS"] = ""
+    for name in ("RANK", "HPO_DEBUG"):
+        env.pop(name, None)
+    return env
+
+
+def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m hpo ARGS`` and capture its output (text)."""
+    return subprocess.run([sys.executable, "-m", "hpo", *map(str, args)], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+
+
+@pytest.fixture(scope="session")
+def write_scenario() -> WriteScenario:
+    """Factory: ``write_scenario(tmp_path, **overrides) -> Path`` (see :func:`write_scenario_file`)."""
+    return write_scenario_file
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> RunCli:
+    """Factory: ``run_cli(*args, cwd=None) -> CompletedProcess`` running the real CLI."""
+    return run_hpo
+
+
+@pytest.fixture
+def scenario_path(tmp_path: Path) -> Path:
+    """The base scenario, written into a fresh folder."""
+    return write_scenario_file(tmp_path)

@@ -1,0 +1,234 @@
+"""Bad input through the real CLI: exit code 2 and one ``error:`` line naming the field and problem.
+
+Also: a trial that misbehaves (no metric, non-zero exit, NaN) is a recorded failure with a
+reason, not a crash of the sweep.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+WriteScenario = Callable[..., Path]
+RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
+
+CSV_SEARCH = {"method": "csv", "csv": "design.csv", "trials": None}
+GOOD_CSV_HEADER = "x,opt\n"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: how to break the base scenario, the command, and what stderr must say."""
+
+    expect: tuple[str, ...]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    drop: tuple[str, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    raw: str | None = None
+    args: tuple[str, ...] = ("validate", "{scenario}")
+
+
+CASES = {
+    # scenario
+    "unknown-top-level-key": Case(("scenario.yaml", "nmae", "unknown key", "did you mean name"), {"nmae": "x"}),
+    "unknown-param-key-typo": Case(("parameters.x.hihg", "unknown key", "did you mean high"),
+                                   {"parameters": {"x": {"hihg": 2}}}),
+    "low-above-high": Case(("parameters.x.low", "2 is above high 1"), {"parameters": {"x": {"low": 2.0}}}),
+    "log-with-low-zero": Case(("parameters.x.low", "log-scaled parameter needs low > 0"),
+                              {"parameters": {"x": {"log": True}}}),
+    "bad-type": Case(("parameters.x.type", "'int', 'float', 'categorical' or 'constant'"),
+                     {"parameters": {"x": {"type": "double"}}}),
+    "missing-command": Case(("command", "required key is missing"), drop=("command",)),
+    "missing-trials": Case(("search.trials", "needs the total number of trials"), drop=("search.trials",)),
+    "categorical-without-choices": Case(("parameters.c.choices", "needs a non-empty list"),
+                                        {"parameters": {"c": {"type": "categorical"}}}),
+    "csv-method-without-csv": Case(("search.csv", "method csv needs the path"), {"search": {"method": "csv"}}),
+    "condition-on-unknown-parent": Case(("parameters.y.condition", "zz must be a parameter defined before y"),
+                                        {"parameters": {"y": {"type": "float", "low": 0, "high": 1,
+                                                              "condition": {"zz": "a"}}}}),
+    "bad-yaml": Case(("scenario.yaml line 2", "not valid YAML"), raw="name: demo\ncommand: python: train.py\n"),
+    "yaml-not-a-mapping": Case(("scenario.yaml", "a YAML mapping", "got list"), raw="- name\n- demo\n"),
+    "missing-scenario-file": Case(("nope.yaml", "scenario file not found"), args=("validate", "{dir}/nope.yaml")),
+    "normal-with-model-method": Case(("parameters.x.distribution", "normal is only for the designs", "smac"),
+                                     {"search": {"method": "smac"},
+                                      "parameters": {"x": {"distribution": "normal", "mean": 0.5, "std": 0.1}}}),
+    "held-out-is-the-metric": Case(("objective.held_out", "val_error is the objective metric"),
+                                   {"objective": {"held_out": ["val_error"]}}),
+    "parallel-zero": Case(("resources.parallel", "greater than or equal to 1"), {"resources": {"parallel": 0}}),
+    "grid-on-continuous": Case(("parameters.x", "method grid needs a step"), {"search": {"method": "grid"}}),
+    "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but only 1"),
+                                    {"resources": {"gpus": [0], "gpus_per_trial": 2}}),
+    # design CSV
+    "csv-missing-file": Case(("search.csv", "design.csv not found"), {"search": CSV_SEARCH}),
+    "csv-unknown-column": Case(("design.csv", "column lr is not a parameter"), {"search": CSV_SEARCH},
+                               files={"design.csv": "x,opt,lr\n0.5,a,0.1\n"}),
+    "csv-missing-column": Case(("design.csv", "no column for parameter opt"), {"search": CSV_SEARCH},
+                               files={"design.csv": "x\n0.5\n"}),
+    "csv-row-too-short": Case(("design.csv line 3", "1 values for 2 columns"), {"search": CSV_SEARCH},
+                              files={"design.csv": GOOD_CSV_HEADER + "0.5,a\n0.7\n"}),
+    "csv-value-out-of-range": Case(("design.csv line 2, column x", "1.5 is outside [0, 1]"), {"search": CSV_SEARCH},
+                                   files={"design.csv": GOOD_CSV_HEADER + "1.5,a\n"}),
+    "csv-not-a-number": Case(("design.csv line 2, column x", "'big' is not a number"), {"search": CSV_SEARCH},
+                             files={"design.csv": GOOD_CSV_HEADER + "big,a\n"}),
+    "csv-bad-categorical": Case(("design.csv line 3, column opt", "'c' is not one of a, b"), {"search": CSV_SEARCH},
+                                files={"design.csv": GOOD_CSV_HEADER + "0.1,a\n0.2,c\n"}),
+    "csv-empty": Case(("design.csv", "the design CSV is empty"), {"search": CSV_SEARCH}, files={"design.csv": ""}),
+    "csv-more-trials-than-rows": Case(("search.trials", "5 trials exceed the 2 points of the csv design"),
+                                      {"search": {**CSV_SEARCH, "trials": 5}},
+                                      files={"design.csv": GOOD_CSV_HEADER + "0.1,a\n0.2,b\n"}),
+    # templates
+    "template-missing": Case(("template", "nope.py.j2 not found"), {"template": "nope.py.j2"}),
+    "template-undefined-variable": Case(("train.py.j2 line 2", "'lr' is undefined"),
+                                        template="from hpo.results import report\nreport(val_error={{ lr }})\n"),
+    "template-syntax-error": Case(("train.py.j2 line 3", "unexpected"),
+                                  template="a = 1\nb = 2\nc = {{ x + }}\n"),
+    "template-dollar-undefined": Case(("train.py.j2 line 3", "${lr} is undefined"), {"syntax": "dollar"},
+                                      template="a = ${x}\nb = 2\nc = ${lr}\n"),
+    "template-runtime-error": Case(("train.py.j2 line 1", "ZeroDivisionError"), template="{{ x / 0 }}\n"),
+    # command line
+    "unknown-command": Case(("invalid choice", "frobnicate"), args=("frobnicate", "{scenario}")),
+    "no-command": Case(("required", "command"), args=()),
+    "workers-zero": Case(("--workers", "must be at least 1, got 0"), args=("run", "{scenario}", "--workers", "0")),
+    "workers-not-a-number": Case(("--workers", "'x'"), args=("run", "{scenario}", "--workers", "x")),
+    "unknown-option": Case(("unrecognized arguments", "--fast"), args=("validate", "{scenario}", "--fast")),
+    "stop-without-a-trial-number": Case(("stop", "trial"), args=("stop", "{scenario}")),
+    # the same inputs through `hpo run`: rejected before any trial runs
+    "run-csv-value-out-of-range": Case(("design.csv line 2, column x", "outside [0, 1]"), {"search": CSV_SEARCH},
+                                       files={"design.csv": GOOD_CSV_HEADER + "7,a\n"}, args=("run", "{scenario}")),
+    "run-template-undefined-variable": Case(("train.py.j2 line 1", "'lr' is undefined"), template="{{ lr }}\n",
+                                            args=("run", "{scenario}")),
+}
+
+
+def assert_input_error(result: subprocess.CompletedProcess[str], *expect: str) -> None:
+    """Exit code 2; stderr exactly one ``error: `` line holding every ``expect``; no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and result.stderr.endswith("\n"), result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    for text in expect:
+        assert text in lines[0], (text, lines[0])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A case as it ran: its folder, the arguments and the finished process."""
+
+    folder: Path
+    args: list[str]
+    result: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory, write_scenario: WriteScenario,
+             run_cli: RunCli) -> dict[str, Outcome]:
+    """Every case written to its own folder, then run through the CLI, several processes at once."""
+    prepared = {}
+    for name, case in CASES.items():
+        folder = tmp_path_factory.mktemp(name)
+        extra = {} if case.template is None else {"template_text": case.template}
+        path = write_scenario(folder, drop=case.drop, files=case.files, raw=case.raw, **extra, **case.overrides)
+        prepared[name] = (folder, [arg.format(scenario=path, dir=folder) for arg in case.args])
+
+    def run(name: str) -> tuple[str, Outcome]:
+        folder, args = prepared[name]
+        return name, Outcome(folder, args, run_cli(*args, cwd=folder))
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        return dict(pool.map(run, prepared))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_with_one_line(outcomes: dict[str, Outcome], name: str) -> None:
+    outcome = outcomes[name]
+    assert_input_error(outcome.result, *CASES[name].expect)
+    if outcome.args[:1] == ["run"]:
+        assert not list(outcome.folder.glob("runs/*/trial-*")), "a trial ran despite the bad input"
+
+
+def test_at_least_25_cases() -> None:
+    assert len(CASES) >= 25
+
+
+MISBEHAVING_TEMPLATE = """\
+import math
+import sys
+
+from hpo.results import report
+
+mode = "{{ mode }}"
+print("Epoch 1 lr=0.1 loss 3", flush=True)
+if mode == "ok":
+    report(val_error=0.25, test_error=0.5)
+elif mode == "garbage":
+    print("all done, no metric here")
+elif mode == "crash":
+    report(val_error=0.1)
+    sys.exit(3)
+elif mode == "nan":
+    report(val_error=math.nan, test_error=0.4)
+elif mode == "text":
+    print("val_error=low")
+"""
+
+EXPECTED_OUTCOMES = {
+    "ok": ("COMPLETE", ""),
+    "garbage": ("FAIL", "val_error was never reported"),
+    "crash": ("FAIL", "exit code 3"),
+    "nan": ("FAIL", "val_error is nan"),
+    "text": ("FAIL", "val_error is not a number: low"),
+}
+
+
+@pytest.fixture(scope="module")
+def misbehaving_sweep(tmp_path_factory: pytest.TempPathFactory, write_scenario: WriteScenario,
+                      run_cli: RunCli) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A finished grid sweep over trials that succeed, print garbage, crash, report NaN or text."""
+    folder = tmp_path_factory.mktemp("misbehaving")
+    path = write_scenario(folder, drop=("parameters.x", "parameters.opt"), template_text=MISBEHAVING_TEMPLATE,
+                          parameters={"mode": {"type": "categorical", "choices": list(EXPECTED_OUTCOMES)}},
+                          search={"method": "grid", "trials": None}, resources={"parallel": 2})
+    return path, run_cli("run", path, cwd=folder)
+
+
+def test_misbehaving_trials_fail_with_reasons_and_the_sweep_goes_on(
+        misbehaving_sweep: tuple[Path, subprocess.CompletedProcess[str]], run_cli: RunCli, tmp_path: Path) -> None:
+    path, result = misbehaving_sweep
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    out = tmp_path / "results.csv"
+    exported = run_cli("export", path, "-o", out)
+    assert exported.returncode == 0, exported.stderr
+    with out.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["number"] for row in rows] == [str(i) for i in range(len(EXPECTED_OUTCOMES))]
+    assert {row["mode"]: (row["state"], row["reason"]) for row in rows} == EXPECTED_OUTCOMES
+    by_mode = {row["mode"]: row for row in rows}
+    assert float(by_mode["ok"]["val_error"]) == 0.25 and float(by_mode["ok"]["test_error"]) == 0.5
+    assert by_mode["nan"]["val_error"] == "" and float(by_mode["nan"]["test_error"]) == 0.4
+    for row in rows:
+        assert Path(row["folder"], "trial.log").is_file()
+
+
+def test_stop_of_a_missing_trial_after_a_run(misbehaving_sweep: tuple[Path, subprocess.CompletedProcess[str]],
+                                             run_cli: RunCli) -> None:
+    path, _ = misbehaving_sweep
+    assert_input_error(run_cli("stop", path, "99"), "trial 99", "no such trial")
+
+
+def test_stop_of_a_finished_trial_after_a_run(misbehaving_sweep: tuple[Path, subprocess.CompletedProcess[str]],
+                                              run_cli: RunCli) -> None:
+    path, _ = misbehaving_sweep
+    assert_input_error(run_cli("stop", path, "0"), "trial 0", "not running")
+
+
+def test_status_before_any_run(tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli) -> None:
+    assert_input_error(run_cli("status", write_scenario(tmp_path)), "no study named demo", "hpo run")

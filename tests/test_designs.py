@@ -1,0 +1,214 @@
+"""Designs of experiments: Monte Carlo, Sobol, LHS, grid and CSV points."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hpo import designs
+from hpo.errors import InputError
+from hpo.scenario import Scenario, load_scenario
+
+WriteScenario = Callable[..., Path]
+
+UNIT_PARAMS = {
+    "a": {"type": "float", "low": 0.0, "high": 1.0},
+    "b": {"type": "float", "low": 0.0, "high": 1.0},
+    "c": {"type": "float", "low": 0.0, "high": 1.0},
+}
+
+
+def _scenario(tmp_path: Path, write_scenario: WriteScenario, method: str, trials: int | None = None,
+              seed: int = 1, parameters: dict[str, Any] | None = None, drop: tuple[str, ...] = ("parameters.x",
+                                                                                                 "parameters.opt"),
+              **overrides: Any) -> Scenario:
+    """Load a scenario of ``method`` whose parameters replace the base ones."""
+    search: dict[str, Any] = {"method": method, "trials": trials, "seed": seed}
+    path = write_scenario(tmp_path, drop=drop, search=search,
+                          parameters=UNIT_PARAMS if parameters is None else parameters, **overrides)
+    return load_scenario(path)
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "sobol", "lhs"])
+def test_random_designs_are_seeded(tmp_path: Path, write_scenario: WriteScenario, method: str) -> None:
+    first = designs.design_points(_scenario(tmp_path / "1", write_scenario, method, 8, seed=5))
+    again = designs.design_points(_scenario(tmp_path / "2", write_scenario, method, 8, seed=5))
+    other = designs.design_points(_scenario(tmp_path / "3", write_scenario, method, 8, seed=6))
+    assert first is not None and len(first) == 8
+    assert first == again
+    assert first != other
+    for point in first:
+        assert set(point) == {"a", "b", "c"}
+        assert all(0.0 <= value <= 1.0 for value in point.values())
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "sobol"])
+def test_random_designs_are_prefix_stable(tmp_path: Path, write_scenario: WriteScenario, method: str) -> None:
+    short = designs.design_points(_scenario(tmp_path / "1", write_scenario, method, 4))
+    longer = designs.design_points(_scenario(tmp_path / "2", write_scenario, method, 16))
+    assert short is not None and longer is not None
+    assert longer[:4] == short
+    assert len(longer) == 16
+
+
+@pytest.mark.parametrize("trials", [1, 7, 20])
+def test_lhs_hits_every_stratum_once_per_dimension(tmp_path: Path, write_scenario: WriteScenario,
+                                                   trials: int) -> None:
+    points = designs.design_points(_scenario(tmp_path, write_scenario, "lhs", trials))
+    assert points is not None and len(points) == trials
+    for name in UNIT_PARAMS:
+        strata = sorted(int(point[name] * trials) for point in points)
+        assert strata == list(range(trials)), name
+
+
+def test_sobol_is_balanced(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    points = designs.design_points(_scenario(tmp_path, write_scenario, "sobol", 16))
+    assert points is not None
+    for name in UNIT_PARAMS:
+        assert sorted(int(point[name] * 4) for point in points) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+
+
+def test_random_design_maps_through_the_space(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    parameters = {
+        "lr": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
+        "units": {"type": "int", "low": 8, "high": 64, "step": 8},
+        "epochs": {"type": "constant", "value": 2},
+        "opt": {"type": "categorical", "choices": ["sgd", "adam"]},
+        "momentum": {"type": "float", "low": 0.0, "high": 0.9, "condition": {"opt": "sgd"}},
+    }
+    points = designs.design_points(_scenario(tmp_path, write_scenario, "monte_carlo", 30, parameters=parameters,
+                                             drop=("parameters.x",)))
+    assert points is not None
+    for point in points:
+        assert 1e-4 <= point["lr"] <= 1.0
+        assert point["units"] in range(8, 65, 8)
+        assert point["epochs"] == 2
+        assert ("momentum" in point) == (point["opt"] == "sgd")
+    assert {point["opt"] for point in points} == {"sgd", "adam"}
+
+
+def test_model_methods_have_no_design(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    assert designs.design_points(_scenario(tmp_path, write_scenario, "tpe", 3)) is None
+
+
+def test_grid_is_the_cartesian_product(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    parameters = {
+        "a": {"type": "int", "low": 1, "high": 3},
+        "b": {"type": "categorical", "choices": ["x", "y"]},
+        "c": {"type": "constant", "value": 0},
+    }
+    scenario = _scenario(tmp_path, write_scenario, "grid", None, parameters=parameters)
+    points = designs.design_points(scenario)
+    assert points == [{"a": a, "b": b, "c": 0} for a in (1, 2, 3) for b in ("x", "y")]
+    assert designs.total_trials(scenario) == 6
+
+
+def test_grid_dedupes_inactive_conditionals(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    parameters = {
+        "opt": {"type": "categorical", "choices": ["sgd", "adam"]},
+        "momentum": {"type": "float", "low": 0.0, "high": 1.0, "step": 0.5, "condition": {"opt": "sgd"}},
+        "nesterov": {"type": "categorical", "choices": [True, False], "condition": {"opt": "sgd"}},
+    }
+    points = designs.grid_points(_scenario(tmp_path, write_scenario, "grid", None, parameters=parameters))
+    sgd = [{"opt": "sgd", "momentum": m, "nesterov": n} for m in (0.0, 0.5, 1.0) for n in (True, False)]
+    assert points == sgd + [{"opt": "adam"}]
+
+
+@pytest.mark.parametrize(("trials", "expected"), [(None, 4), (2, 2), (4, 4)])
+def test_grid_trials_truncate(tmp_path: Path, write_scenario: WriteScenario, trials: int | None,
+                              expected: int) -> None:
+    parameters = {"a": {"type": "int", "low": 0, "high": 3}}
+    scenario = _scenario(tmp_path, write_scenario, "grid", trials, parameters=parameters)
+    points = designs.design_points(scenario)
+    assert points == [{"a": a} for a in range(expected)]
+    assert designs.total_trials(scenario) == expected
+
+
+def test_grid_needs_steps_and_enough_points(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    with pytest.raises(InputError, match="parameters.a: method grid needs a step"):
+        designs.design_points(_scenario(tmp_path / "1", write_scenario, "grid", None))
+    scenario = _scenario(tmp_path / "2", write_scenario, "grid", 9, parameters={"a": {"type": "int", "low": 0,
+                                                                                        "high": 1}})
+    with pytest.raises(InputError, match="search.trials: 9 trials exceed the 2 points of the grid design"):
+        designs.design_points(scenario)
+
+
+CSV_PARAMETERS = {
+    "lr": {"type": "float", "low": 0.0, "high": 1.0},
+    "units": {"type": "int", "low": 1, "high": 100},
+    "opt": {"type": "categorical", "choices": ["sgd", "adam"]},
+    "momentum": {"type": "float", "low": 0.0, "high": 1.0, "condition": {"opt": "sgd"}},
+    "epochs": {"type": "constant", "value": 3},
+}
+
+
+def _csv_scenario(tmp_path: Path, write_scenario: WriteScenario, text: str, trials: int | None = None) -> Scenario:
+    """Load a csv-method scenario over :data:`CSV_PARAMETERS` whose design.csv holds ``text``."""
+    path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"), parameters=CSV_PARAMETERS,
+                          search={"method": "csv", "csv": "design.csv", "trials": trials},
+                          files={"design.csv": text})
+    return load_scenario(path)
+
+
+def test_csv_rows_become_points(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    text = "lr,units,opt,momentum\n0.1,10,sgd,0.9\n 0.2 , 20 ,adam,\n\n0.3,30.0,sgd,0\n"
+    scenario = _csv_scenario(tmp_path, write_scenario, text)
+    points = designs.design_points(scenario)
+    assert points == [
+        {"lr": 0.1, "units": 10, "opt": "sgd", "momentum": 0.9, "epochs": 3},
+        {"lr": 0.2, "units": 20, "opt": "adam", "epochs": 3},
+        {"lr": 0.3, "units": 30, "opt": "sgd", "momentum": 0.0, "epochs": 3},
+    ]
+    assert all(type(point["units"]) is int for point in points)
+    assert designs.total_trials(scenario) == 3
+
+
+def test_csv_columns_in_any_order_with_constant(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    text = "epochs,opt,units,lr,momentum\n3,adam,5,0.5,\n"
+    points = designs.design_points(_csv_scenario(tmp_path, write_scenario, text))
+    assert points == [{"lr": 0.5, "units": 5, "opt": "adam", "epochs": 3}]
+
+
+def test_csv_trials_take_the_first_rows(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    text = "lr,units,opt,momentum\n0.1,1,adam,\n0.2,2,adam,\n0.3,3,adam,\n"
+    points = designs.design_points(_csv_scenario(tmp_path, write_scenario, text, trials=2))
+    assert [point["units"] for point in points or []] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "design.csv: the design CSV is empty"),
+        ("lr,units,opt,momentum\n", "design.csv: the design CSV has a header but no rows"),
+        ("lr,units,opt,momentum,zz\n0.1,1,sgd,0,1\n", "design.csv: column zz is not a parameter"),
+        ("lr,units,momentum\n0.1,1,0\n", "design.csv: no column for parameter opt"),
+        ("lr,lr,units,opt,momentum\n0.1,0.1,1,sgd,0\n", "design.csv: a column name appears twice"),
+        ("lr,units,opt,momentum\n0.1,1,sgd,0\n0.1,1\n", "design.csv line 3: 2 values for 4 columns"),
+        ("lr,units,opt,momentum\n1.5,1,sgd,0\n", "design.csv line 2, column lr: 1.5 is outside [0, 1]"),
+        ("lr,units,opt,momentum\n0.1,x,sgd,0\n", "design.csv line 2, column units: 'x' is not a number"),
+        ("lr,units,opt,momentum\n0.1,2.5,sgd,0\n", "column units: '2.5' is not a whole number"),
+        ("lr,units,opt,momentum\n0.1,1,lbfgs,0\n", "column opt: 'lbfgs' is not one of sgd, adam"),
+        ("lr,units,opt,momentum\n0.1,1,sgd,\n", "design.csv line 2, column momentum: '' is not a number"),
+    ],
+)
+def test_csv_errors_name_file_line_and_column(tmp_path: Path, write_scenario: WriteScenario, text: str,
+                                              message: str) -> None:
+    scenario = _csv_scenario(tmp_path, write_scenario, text)
+    with pytest.raises(InputError) as info:
+        designs.design_points(scenario)
+    assert message in str(info.value)
+
+
+def test_csv_missing_file_and_too_many_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = _csv_scenario(tmp_path / "1", write_scenario, "lr,units,opt,momentum\n0.1,1,adam,\n", trials=3)
+    with pytest.raises(InputError, match="search.trials: 3 trials exceed the 1 points of the csv design"):
+        designs.design_points(scenario)
+    scenario = _csv_scenario(tmp_path / "2", write_scenario, "")
+    (tmp_path / "2" / "design.csv").unlink()
+    with pytest.raises(InputError, match="search.csv: design file .*design.csv not found"):
+        designs.design_points(scenario)
+
+
+def test_total_trials_uses_search_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    assert designs.total_trials(_scenario(tmp_path, write_scenario, "smac", 12)) == 12

@@ -1,0 +1,165 @@
+"""Trial folders: templates rendered (Jinja or dollar syntax), other files copied verbatim."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import stat
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hpo.errors import InputError
+from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder
+from hpo.scenario import Scenario, load_scenario
+
+WriteScenario = Callable[..., Path]
+
+
+def _renderer(tmp_path: Path, write_scenario: WriteScenario, templates: dict[str, str | bytes],
+              **overrides: Any) -> Renderer:
+    """Write ``templates`` (name to content) beside a scenario that lists them; return its Renderer."""
+    folder = tmp_path / "sc"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in templates.items():
+        path = folder / name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    path = write_scenario(folder, template=list(templates), template_text=None, **overrides)
+    return Renderer(load_scenario(path))
+
+
+def test_trial_folder_name(tmp_path: Path) -> None:
+    assert trial_folder(tmp_path, 7) == tmp_path / "trial-0007"
+    assert trial_folder(tmp_path, 12345) == tmp_path / "trial-12345"
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text", "expected"),
+    [
+        ("jinja", "lr = {{ x }}\nopt = '{{ opt }}'\n", "lr = 0.25\nopt = 'adam'\n"),
+        ("jinja", "{% if opt == 'adam' %}A{% else %}S{% endif %} {{ '%.1f' % x }}", "A 0.2"),
+        ("jinja", "trial {{ trial_number }} seed {{ seed }} dir {{ trial_dir }}", "trial 3 seed 1 dir {folder}"),
+        ("dollar", "lr = ${x}\nopt = '${ opt }'\n", "lr = 0.25\nopt = 'adam'\n"),
+        ("dollar", "keep $x and {{ x }}; trial ${trial_number}", "keep $x and {{ x }}; trial 3"),
+    ],
+)
+def test_templates_render(tmp_path: Path, write_scenario: WriteScenario, syntax: str, text: str,
+                          expected: str) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": text}, syntax=syntax)
+    folder = tmp_path / "work" / "trial-0003"
+    trial = renderer.render(folder, 3, {"x": 0.25, "opt": "adam"}, ["python", "train.py"])
+    assert (folder / "train.py").read_text() == expected.replace("{folder}", str(folder))
+    assert trial.folder == folder
+    assert trial.files == ("train.py",)
+    assert trial.params == {"x": 0.25, "opt": "adam"}
+
+
+def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
+    texts = renderer.render_texts(0, tmp_path, {"x": 0.5, "opt": "a"})
+    assert texts == {"t.py": str((tmp_path / "data").resolve())}
+
+
+@pytest.mark.parametrize("suffix", [".j2", ".jinja", ".jinja2", ".tmpl"])
+def test_rendered_suffixes_are_stripped(tmp_path: Path, write_scenario: WriteScenario, suffix: str) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {f"conf.yaml{suffix}": "x: {{ x }}\n"})
+    renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
+    assert (tmp_path / "t" / "conf.yaml").read_text() == "x: 1\n"
+
+
+def test_other_files_are_copied_verbatim(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    raw = "{{ not rendered }} ${x}\n"
+    blob = bytes(range(256))
+    renderer = _renderer(tmp_path, write_scenario,
+                         {"train.py.j2": "{{ x }}", "helper.py": raw, "weights.bin": blob, "run.sh": "#!/bin/sh\n"})
+    (tmp_path / "sc" / "run.sh").chmod(0o755)
+    folder = tmp_path / "t"
+    trial = renderer.render(folder, 0, {"x": 1, "opt": "a"}, ["./run.sh"])
+    assert (folder / "helper.py").read_text() == raw
+    assert (folder / "weights.bin").read_bytes() == blob
+    assert os.stat(folder / "run.sh").st_mode & stat.S_IXUSR
+    assert trial.files == ("train.py", "helper.py", "weights.bin", "run.sh")
+
+
+def test_rendered_template_keeps_its_mode(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"run.sh.j2": "#!/bin/sh\necho {{ x }}\n"})
+    (tmp_path / "sc" / "run.sh.j2").chmod(0o755)
+    renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["./run.sh"])
+    assert os.stat(tmp_path / "t" / "run.sh").st_mode & stat.S_IXUSR
+
+
+def test_params_json_and_command_txt(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ x }}"})
+    folder = tmp_path / "t"
+    argv = ["/usr/bin/python3", "train.py", "--opt", "a b", "--x", "0.5"]
+    renderer.render(folder, 4, {"x": 0.5, "opt": "a b"}, argv)
+    assert json.loads((folder / PARAMS_FILE).read_text()) == {"trial": 4, "params": {"x": 0.5, "opt": "a b"}}
+    command = (folder / COMMAND_FILE).read_text()
+    assert command.endswith("\n")
+    assert shlex.split(command) == argv
+
+
+def test_render_texts_writes_nothing(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ x }}", "helper.py": "pass"})
+    folder = tmp_path / "never"
+    assert renderer.render_texts(0, folder, {"x": 2, "opt": "a"}) == {"train.py": "2"}
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text", "message"),
+    [
+        ("jinja", "ok\nlr = {{ lr }}\n", "template train.py.j2 line 2: 'lr' is undefined"),
+        ("jinja", "a\nb\n{% for i in range(2) %}\n{{ cfg.depth }}\n{% endfor %}\n",
+         "template train.py.j2 line 4: 'cfg' is undefined"),
+        ("jinja", "{{ x }}\n{{ 1 / 0 }}\n", "template train.py.j2 line 2: ZeroDivisionError: division by zero"),
+        ("dollar", "a = 1\nb = 2\nlr = ${lr}\n", "template train.py.j2 line 3: ${lr} is undefined"),
+    ],
+)
+def test_undefined_variables_name_file_and_line(tmp_path: Path, write_scenario: WriteScenario, syntax: str,
+                                                text: str, message: str) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": text}, syntax=syntax)
+    with pytest.raises(InputError) as info:
+        renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
+    assert str(info.value) == message
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a\n{% if x %}\nno end", "template train.py.j2 line 2: Unexpected end of template"),
+        ("a\nb\n{{ x \n", "template train.py.j2 line 3: unexpected end of template"),
+        ("{% frobnicate %}", "template train.py.j2 line 1: Encountered unknown tag 'frobnicate'"),
+    ],
+)
+def test_syntax_errors_name_file_and_line(tmp_path: Path, write_scenario: WriteScenario, text: str,
+                                          message: str) -> None:
+    with pytest.raises(InputError) as info:
+        _renderer(tmp_path, write_scenario, {"train.py.j2": text})
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_template_and_clashing_names(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path / "a", template=["nope.py.j2"], template_text=None)
+    with pytest.raises(InputError, match=r"template: file .*nope\.py\.j2 not found"):
+        Renderer(load_scenario(path))
+    with pytest.raises(InputError, match="template: two files would be written as train.py"):
+        _renderer(tmp_path / "b", write_scenario, {"train.py.j2": "", "train.py": ""})
+    with pytest.raises(InputError, match="template: two files would be written as params.json"):
+        _renderer(tmp_path / "c", write_scenario, {"params.json.j2": ""})
+
+
+def test_non_utf8_template_is_an_input_error(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    with pytest.raises(InputError, match="template train.py.j2: not a UTF-8 text file"):
+        _renderer(tmp_path, write_scenario, {"train.py.j2": b"\xff\xfe{{ x }}"})
+
+
+def test_context_has_reserved_names(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": ""}, search={"seed": 9})
+    scenario: Scenario = renderer.scenario
+    assert renderer.context(2, tmp_path, {"x": 1}) == {"x": 1, "trial_number": 2, "trial_dir": str(tmp_path),
+                                                       "seed": scenario.search.seed}
+    assert scenario.search.seed == 9

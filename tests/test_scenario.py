@@ -1,0 +1,174 @@
+"""Loading, validating and freezing the scenario YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pydantic
+import pytest
+
+from hpo.errors import InputError
+from hpo.scenario import Objective, Resources, Search, load_scenario
+
+WriteScenario = Callable[..., Path]
+
+
+def test_valid_scenario_loads(scenario_path: Path) -> None:
+    scenario = load_scenario(scenario_path)
+    assert scenario.name == "demo"
+    assert scenario.command == ("python", "train.py")
+    assert list(scenario.parameters) == ["x", "opt"]
+    assert scenario.parameters["x"].type == "float"
+    assert scenario.parameters["opt"].choices == ("a", "b")
+    assert scenario.search.method == "monte_carlo"
+    assert scenario.search.trials == 2
+    assert scenario.objective.held_out == ("test_error",)
+    assert scenario.path == scenario_path.resolve()
+
+
+def test_scenario_is_frozen(scenario_path: Path) -> None:
+    scenario = load_scenario(scenario_path)
+    with pytest.raises(pydantic.ValidationError):
+        scenario.name = "other"  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        scenario.search.trials = 9  # type: ignore[misc]
+
+
+def test_paths_resolve_against_the_scenario_folder(tmp_path: Path, write_scenario: WriteScenario,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "project" / "scenarios"
+    path = write_scenario(folder, template=["train.py.j2", "../extra/helper.py"], data_dir="../data",
+                          workdir="out", search={"method": "csv", "csv": "design.csv", "trials": None})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    scenario = load_scenario(path)
+    project = (tmp_path / "project").resolve()
+    assert scenario.template == (project / "scenarios" / "train.py.j2", project / "extra" / "helper.py")
+    assert scenario.data_dir == project / "data"
+    assert scenario.workdir == project / "scenarios" / "out"
+    assert scenario.search.csv == project / "scenarios" / "design.csv"
+    assert scenario.folder == project / "scenarios"
+    assert scenario.default_workdir() == project / "scenarios" / "out"
+
+
+def test_relative_scenario_path_resolves_from_cwd(tmp_path: Path, write_scenario: WriteScenario,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    write_scenario(tmp_path / "sc")
+    monkeypatch.chdir(tmp_path)
+    scenario = load_scenario("sc/scenario.yaml")
+    assert scenario.path == (tmp_path / "sc" / "scenario.yaml").resolve()
+    assert scenario.template == ((tmp_path / "sc" / "train.py.j2").resolve(),)
+
+
+def test_defaults(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, drop=("objective", "resources", "search.seed"))
+    scenario = load_scenario(path)
+    assert scenario.syntax == "jinja"
+    assert scenario.flags is False
+    assert scenario.data_dir is None and scenario.workdir is None and scenario.storage is None
+    assert scenario.env == {}
+    assert scenario.search.seed == 1
+    assert scenario.search.retry_failed == 0
+    assert scenario.search.pruner == "none"
+    assert scenario.objective == Objective(metric="val_error", direction="minimize", held_out=())
+    assert scenario.resources == Resources(parallel=1, gpus_per_trial=1, gpus=None, torchrun="auto",
+                                           timeout=None, heartbeat=10.0)
+    assert scenario.default_workdir() == tmp_path.resolve() / "runs" / "demo"
+    param = scenario.parameters["x"]
+    assert (param.log, param.step, param.distribution, param.condition) == (False, None, "uniform", None)
+
+
+@pytest.mark.parametrize("method", ["csv", "grid"])
+def test_trials_optional_for_csv_and_grid(method: str) -> None:
+    search = Search(method=method, csv=Path("/d.csv") if method == "csv" else None)
+    assert search.trials is None
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("python train.py", ("python", "train.py")),
+        ("python 'my script.py' --tag \"a b\"", ("python", "my script.py", "--tag", "a b")),
+        (["python", "a b.py"], ("python", "a b.py")),
+        ("./run.sh", ("./run.sh",)),
+    ],
+)
+def test_command_is_split_like_a_shell(tmp_path: Path, write_scenario: WriteScenario, command: Any,
+                                       argv: tuple[str, ...]) -> None:
+    assert load_scenario(write_scenario(tmp_path, command=command)).command == argv
+
+
+@pytest.mark.parametrize(
+    ("gpus_per_trial", "torchrun", "expected"),
+    [(1, "auto", False), (2, "auto", True), (1, True, True), (4, False, False)],
+)
+def test_uses_torchrun(gpus_per_trial: int, torchrun: Any, expected: bool) -> None:
+    assert Resources(gpus_per_trial=gpus_per_trial, torchrun=torchrun).uses_torchrun() is expected
+
+
+def test_conditions_and_constants_load(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, parameters={
+        "momentum": {"type": "float", "low": 0.0, "high": 0.9, "condition": {"opt": "a"}},
+        "beta": {"type": "float", "low": 0.0, "high": 0.9, "condition": {"opt": ["a", "b"]}},
+        "epochs": {"type": "constant", "value": 3},
+    })
+    params = load_scenario(path).parameters
+    assert params["momentum"].condition == {"opt": "a"}
+    assert params["beta"].condition == {"opt": ["a", "b"]}
+    assert params["epochs"].value == 3
+
+
+def _p(name: str, **spec: Any) -> dict[str, Any]:
+    """Overrides that set (or merge into) parameter ``name``."""
+    return {"parameters": {name: spec}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"nmae": "x"}, "nmae: unknown key (did you mean name?)"),
+        ({"search": {"trails": 3}}, "search.trails: unknown key (did you mean trials?)"),
+        (_p("x", hihg=2), "parameters.x.hihg: unknown key (did you mean high?)"),
+        (_p("x", low=2.0), "parameters.x.low: 2 is above high 1"),
+        (_p("x", log=True), "parameters.x.low: a log-scaled parameter needs low > 0"),
+        (_p("x", step=-1), "parameters.x.step: must be positive"),
+        (_p("x", log=True, low=0.1, step=0.1), "parameters.x.step: a log-scaled"),
+        (_p("n", type="int", low=0.5, high=3), "parameters.n.low: an int parameter needs a whole"),
+        (_p("n", type="int", low=1), "parameters.n.high: an int parameter needs low and high"),
+        (_p("c", type="categorical", choices=["a", "a"]), "parameters.c.choices: values must be unique"),
+        (_p("c", type="categorical", choices=["a"], low=0), "parameters.c.low: only int and float"),
+        (_p("c", type="constant"), "parameters.c.value: a constant parameter needs a value"),
+        (_p("x", value=3), "parameters.x.value: only a constant parameter has a value"),
+        (_p("x", distribution="normal", mean=0.5), "parameters.x.std: distribution normal needs"),
+        (_p("x", distribution="normal", mean=0.5, std=0), "parameters.x.std: must be positive"),
+        (_p("x", mean=0.5), "parameters.x.mean: only distribution normal takes"),
+        (_p("seed", type="int", low=0, high=3), "parameters.seed: the name is reserved"),
+        (_p("y", type="float", low=0, high=1, condition={"x": 0.5}), "x is not categorical"),
+        (_p("y", type="float", low=0, high=1, condition={"opt": "z"}), "'z' is not a choice of opt"),
+        ({"name": "bad name!"}, "name: String should match pattern"),
+        ({"command": "python 'unclosed"}, "command: cannot split the command"),
+        ({"command": []}, "command: the command is empty"),
+        ({"search": {"method": "grid", "csv": "d.csv"}}, "search.csv: only method csv reads a CSV"),
+        ({"search": {"trials": 0}}, "search.trials: Input should be greater than or equal to 1"),
+        ({"objective": {"direction": "up"}}, "objective.direction: Input should be 'minimize' or 'maximize'"),
+        ({"resources": {"gpus": [0, 0]}}, "resources.gpus: GPU ids must be unique"),
+        ({"resources": {"timeout": 0}}, "resources.timeout: Input should be greater than 0"),
+        ({"path": "x"}, "path: unknown key"),
+    ],
+)
+def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteScenario,
+                                          overrides: dict[str, Any], expected: str) -> None:
+    path = write_scenario(tmp_path, **overrides)
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    message = str(info.value)
+    assert message.startswith("scenario.yaml: ")
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_empty_parameters_is_an_error(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"))
+    with pytest.raises(InputError, match="parameters: the scenario defines no parameter"):
+        load_scenario(path)

@@ -1,0 +1,276 @@
+"""One parameter definition seen as Optuna distributions, a ConfigSpace space and unit-cube values."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+from ConfigSpace import (CategoricalHyperparameter, Constant, EqualsCondition, InCondition,
+                         NormalFloatHyperparameter, NormalIntegerHyperparameter, OrdinalHyperparameter,
+                         UniformFloatHyperparameter, UniformIntegerHyperparameter)
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from hpo import space
+from hpo.errors import InputError
+from hpo.scenario import Param
+
+
+def P(**fields: Any) -> Param:
+    """A parameter from keyword fields (the YAML mapping)."""
+    return Param(**fields)
+
+
+# Parser table: YAML mapping -> Optuna distribution, ConfigSpace type and its checked attributes.
+PARSER_CASES = [
+    pytest.param({"type": "float", "low": 0.0, "high": 1.0},
+                 FloatDistribution(0.0, 1.0), UniformFloatHyperparameter,
+                 {"lower": 0.0, "upper": 1.0, "log": False}, id="float"),
+    pytest.param({"type": "float", "low": 1e-4, "high": 1.0, "log": True},
+                 FloatDistribution(1e-4, 1.0, log=True), UniformFloatHyperparameter,
+                 {"lower": 1e-4, "upper": 1.0, "log": True}, id="float-log"),
+    pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.25},
+                 FloatDistribution(0.0, 1.0, step=0.25), OrdinalHyperparameter,
+                 {"sequence": (0.0, 0.25, 0.5, 0.75, 1.0)}, id="float-step"),
+    pytest.param({"type": "int", "low": 1, "high": 8},
+                 IntDistribution(1, 8), UniformIntegerHyperparameter,
+                 {"lower": 1, "upper": 8, "log": False}, id="int"),
+    pytest.param({"type": "int", "low": 1, "high": 1024, "log": True},
+                 IntDistribution(1, 1024, log=True), UniformIntegerHyperparameter,
+                 {"lower": 1, "upper": 1024, "log": True}, id="int-log"),
+    pytest.param({"type": "int", "low": 0, "high": 8, "step": 2},
+                 IntDistribution(0, 8, step=2), OrdinalHyperparameter,
+                 {"sequence": (0, 2, 4, 6, 8)}, id="int-step"),
+    pytest.param({"type": "int", "low": 2, "high": 5, "step": 1},
+                 IntDistribution(2, 5), UniformIntegerHyperparameter,
+                 {"lower": 2, "upper": 5}, id="int-step-1"),
+    pytest.param({"type": "categorical", "choices": ["sgd", "adam"]},
+                 CategoricalDistribution(["sgd", "adam"]), CategoricalHyperparameter,
+                 {"choices": ("sgd", "adam")}, id="categorical"),
+    pytest.param({"type": "categorical", "choices": [16, 32, 64]},
+                 CategoricalDistribution([16, 32, 64]), CategoricalHyperparameter,
+                 {"choices": (16, 32, 64)}, id="categorical-numbers"),
+    pytest.param({"type": "constant", "value": 7},
+                 CategoricalDistribution([7]), Constant, {"value": 7}, id="constant"),
+    pytest.param({"type": "float", "low": 0.0, "high": 1.0, "distribution": "normal", "mean": 0.3, "std": 0.1},
+                 FloatDistribution(0.0, 1.0), NormalFloatHyperparameter,
+                 {"mu": 0.3, "sigma": 0.1, "lower": 0.0, "upper": 1.0}, id="float-normal"),
+    pytest.param({"type": "int", "low": 0, "high": 10, "distribution": "normal", "mean": 5, "std": 2},
+                 IntDistribution(0, 10), NormalIntegerHyperparameter,
+                 {"mu": 5, "sigma": 2, "lower": 0, "upper": 10}, id="int-normal"),
+]
+
+
+@pytest.mark.parametrize(("spec", "distribution", "hp_type", "hp_attrs"), PARSER_CASES)
+def test_parameter_to_distribution_and_hyperparameter(spec: dict[str, Any], distribution: Any,
+                                                      hp_type: type, hp_attrs: dict[str, Any]) -> None:
+    params = {"p": P(**spec)}
+    assert space.distributions(params) == {"p": distribution}
+    hp = space.config_space(params)["p"]
+    assert type(hp) is hp_type
+    for name, expected in hp_attrs.items():
+        actual = getattr(hp, name)
+        assert (tuple(actual) if isinstance(expected, tuple) else actual) == pytest.approx(expected), name
+
+
+@pytest.mark.parametrize(("spec", "distribution", "hp_type", "hp_attrs"), PARSER_CASES)
+def test_suggest_uses_the_same_distribution(spec: dict[str, Any], distribution: Any, hp_type: type,
+                                            hp_attrs: dict[str, Any]) -> None:
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    trial = study.ask()
+    values = space.suggest(trial, {"p": P(**spec)})
+    assert trial.distributions == {"p": distribution}
+    assert distribution._contains(distribution.to_internal_repr(values["p"]))
+
+
+CONDITIONAL = {
+    "opt": P(type="categorical", choices=["sgd", "adam", "rmsprop"]),
+    "momentum": P(type="float", low=0.0, high=0.9, condition={"opt": "sgd"}),
+    "beta": P(type="float", low=0.5, high=0.99, condition={"opt": ["adam", "rmsprop"]}),
+    "nesterov": P(type="categorical", choices=[True, False], condition={"opt": "sgd"}),
+}
+
+
+def test_conditions_become_configspace_conditions() -> None:
+    cs = space.config_space(CONDITIONAL)
+    conditions = {c.child.name: c for c in cs.conditions}
+    assert set(conditions) == {"momentum", "beta", "nesterov"}
+    assert isinstance(conditions["momentum"], EqualsCondition)
+    assert conditions["momentum"].parent.name == "opt" and conditions["momentum"].value == "sgd"
+    assert isinstance(conditions["beta"], InCondition)
+    assert list(conditions["beta"].values) == ["adam", "rmsprop"]
+    for config in cs.sample_configuration(20):
+        values = dict(config)
+        assert ("momentum" in values) == (values["opt"] == "sgd")
+        assert ("beta" in values) == (values["opt"] != "sgd")
+
+
+def test_config_space_is_seeded() -> None:
+    first = [dict(c) for c in space.config_space(CONDITIONAL, seed=3).sample_configuration(5)]
+    again = [dict(c) for c in space.config_space(CONDITIONAL, seed=3).sample_configuration(5)]
+    assert first == again
+
+
+@pytest.mark.parametrize(
+    ("values", "active"),
+    [({"opt": "sgd"}, {"momentum", "nesterov"}), ({"opt": "adam"}, {"beta"}), ({}, set())],
+)
+def test_is_active(values: dict[str, Any], active: set[str]) -> None:
+    conditional = {name for name, p in CONDITIONAL.items() if p.condition}
+    assert {name for name in conditional if space.is_active(CONDITIONAL[name], values)} == active
+
+
+def test_suggest_honours_conditions() -> None:
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(20):
+        trial = study.ask()
+        values = space.suggest(trial, CONDITIONAL)
+        expected = {"opt", "momentum", "nesterov"} if values["opt"] == "sgd" else {"opt", "beta"}
+        assert set(values) == expected == set(trial.params)
+        study.tell(trial, 0.0)
+
+
+def test_free_parameters_leave_out_constants() -> None:
+    params = {"a": P(type="constant", value=1), "b": P(type="int", low=0, high=3),
+              "c": P(type="categorical", choices=["x"])}
+    assert space.free_parameters(params) == ["b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "at_0", "at_half", "at_1"),
+    [
+        pytest.param({"type": "float", "low": -2.0, "high": 2.0}, -2.0, 0.0, 2.0, id="float"),
+        pytest.param({"type": "float", "low": 1e-3, "high": 10.0, "log": True}, 1e-3, 0.1, 10.0, id="float-log"),
+        pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.25}, 0.0, 0.5, 1.0, id="float-step"),
+        pytest.param({"type": "int", "low": 1, "high": 5}, 1, 3, 5, id="int"),
+        pytest.param({"type": "int", "low": 1, "high": 100, "log": True}, 1, 10, 100, id="int-log"),
+        pytest.param({"type": "int", "low": 0, "high": 8, "step": 2}, 0, 4, 8, id="int-step"),
+        pytest.param({"type": "categorical", "choices": ["a", "b", "c"]}, "a", "b", "c", id="categorical"),
+        pytest.param({"type": "categorical", "choices": [True, False]}, True, False, False, id="categorical-bool"),
+        pytest.param({"type": "float", "low": 0.0, "high": 1.0, "distribution": "normal", "mean": 0.5, "std": 0.1},
+                     0.0, 0.5, 1.0, id="normal-clipped"),
+        pytest.param({"type": "float", "low": 0.0, "high": 1.0, "distribution": "normal", "mean": 3.0, "std": 1.0},
+                     0.0, 1.0, 1.0, id="normal-mean-outside"),
+        pytest.param({"type": "int", "low": 0, "high": 10, "distribution": "normal", "mean": 4, "std": 3},
+                     0, 4, 10, id="normal-int"),
+        pytest.param({"type": "int", "low": 0, "high": 10, "step": 2, "distribution": "normal", "mean": 3,
+                      "std": 3}, 0, 4, 10, id="normal-int-step"),
+        pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.6, "distribution": "normal",
+                      "mean": 0.5, "std": 5}, 0.0, 0.6, 0.6, id="normal-float-step-stays-in-range"),
+    ],
+)
+def test_from_unit_maps_0_half_1(spec: dict[str, Any], at_0: Any, at_half: Any, at_1: Any) -> None:
+    params = {"p": P(**spec)}
+    got = [space.from_unit(params, np.array([u]))["p"] for u in (0.0, 0.5, 1.0)]
+    expected = [at_0, at_half, at_1]
+    assert got == (pytest.approx(expected, rel=1e-6, abs=1e-9) if isinstance(at_0, (int, float)) else expected)
+    if spec["type"] == "int":
+        assert all(type(v) is int for v in got)
+
+
+@pytest.mark.parametrize("u", np.linspace(0.0, 1.0, 41))
+def test_from_unit_stays_in_range(u: float) -> None:
+    params = {
+        "f": P(type="float", low=0.1, high=0.9),
+        "fl": P(type="float", low=1e-5, high=1e-1, log=True),
+        "i": P(type="int", low=3, high=7),
+        "il": P(type="int", low=2, high=64, log=True),
+        "n": P(type="float", low=-1.0, high=1.0, distribution="normal", mean=0.0, std=2.0),
+        "ns": P(type="float", low=0.0, high=1.0, step=0.3, distribution="normal", mean=0.9, std=1.0),
+    }
+    values = space.from_unit(params, np.full(len(params), u))
+    for name, value in values.items():
+        assert params[name].low <= value <= params[name].high, name
+    assert abs(values["ns"] / 0.3 - round(values["ns"] / 0.3)) < 1e-9
+
+
+def test_from_unit_is_cheap_for_huge_int_ranges() -> None:
+    params = {"seed": P(type="int", low=0, high=2**40), "k": P(type="int", low=0, high=2**40, step=2**20)}
+    values = space.from_unit(params, np.array([0.5, 0.5]))
+    assert values == {"seed": 2**39, "k": 2**39}
+
+
+def test_from_unit_skips_constants_and_inactive_parameters() -> None:
+    params = {
+        "opt": P(type="categorical", choices=["sgd", "adam"]),
+        "epochs": P(type="constant", value=3),
+        "momentum": P(type="float", low=0.0, high=1.0, condition={"opt": "sgd"}),
+        "beta": P(type="float", low=0.0, high=1.0, condition={"opt": "adam"}),
+    }
+    assert space.from_unit(params, np.array([0.0, 0.25, 0.75])) == {"opt": "sgd", "epochs": 3, "momentum": 0.25}
+    assert space.from_unit(params, np.array([0.9, 0.25, 0.75])) == {"opt": "adam", "epochs": 3, "beta": 0.75}
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"type": "int", "low": 0, "high": 3}, [0, 1, 2, 3]),
+        ({"type": "int", "low": 1, "high": 9, "step": 4}, [1, 5, 9]),
+        ({"type": "float", "low": 0.0, "high": 0.3, "step": 0.1}, [0.0, 0.1, 0.2, 0.3]),
+        ({"type": "categorical", "choices": ["a", "b"]}, ["a", "b"]),
+        ({"type": "constant", "value": "z"}, ["z"]),
+    ],
+)
+def test_grid_values(spec: dict[str, Any], expected: list[Any]) -> None:
+    assert space.grid_values("p", P(**spec)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("spec", [{"type": "float", "low": 0, "high": 1},
+                                  {"type": "int", "low": 1, "high": 64, "log": True}])
+def test_grid_values_need_a_step(spec: dict[str, Any]) -> None:
+    with pytest.raises(InputError, match="parameters.p: method grid needs a step"):
+        space.grid_values("p", P(**spec))
+
+
+@pytest.mark.parametrize(
+    ("spec", "text", "expected"),
+    [
+        ({"type": "float", "low": 0, "high": 1}, "0.25", 0.25),
+        ({"type": "float", "low": 0, "high": 1}, " 1e-1 ", 0.1),
+        ({"type": "float", "low": 0, "high": 1}, "1", 1.0),
+        ({"type": "int", "low": 0, "high": 10}, "7", 7),
+        ({"type": "int", "low": 0, "high": 10}, "7.0", 7),
+        ({"type": "int", "low": 0, "high": 10, "step": 5}, "5", 5),
+        ({"type": "float", "low": 0, "high": 1, "step": 0.1}, "0.3", 0.3),
+        ({"type": "categorical", "choices": ["sgd", "adam"]}, "adam", "adam"),
+        ({"type": "categorical", "choices": [16, 32]}, "32", 32),
+        ({"type": "categorical", "choices": [True, False]}, "true", True),
+        ({"type": "categorical", "choices": [True, False]}, "False", False),
+        ({"type": "constant", "value": 3}, "3", 3),
+    ],
+)
+def test_coerce_good_cells(spec: dict[str, Any], text: str, expected: Any) -> None:
+    value = space.coerce("p", P(**spec), text)
+    assert value == pytest.approx(expected)
+    assert type(value) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("spec", "text", "message"),
+    [
+        ({"type": "float", "low": 0, "high": 1}, "abc", "'abc' is not a number"),
+        ({"type": "float", "low": 0, "high": 1}, "", "'' is not a number"),
+        ({"type": "float", "low": 0, "high": 1}, "nan", "'nan' is not a finite number"),
+        ({"type": "float", "low": 0, "high": 1}, "inf", "'inf' is not a finite number"),
+        ({"type": "float", "low": 0, "high": 1}, "1.5", "1.5 is outside [0, 1]"),
+        ({"type": "float", "low": 0, "high": 1}, "-0.1", "-0.1 is outside [0, 1]"),
+        ({"type": "int", "low": 0, "high": 10}, "2.5", "'2.5' is not a whole number"),
+        ({"type": "int", "low": 0, "high": 10}, "11", "11 is outside [0, 10]"),
+        ({"type": "int", "low": 0, "high": 10, "step": 5}, "4", "4 is not on the step 5 from 0"),
+        ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "0.3", "0.3 is not on the step 0.25 from 0"),
+        ({"type": "categorical", "choices": ["sgd", "adam"]}, "rmsprop", "'rmsprop' is not one of sgd, adam"),
+        ({"type": "categorical", "choices": [16, 32]}, "16.0", "'16.0' is not one of 16, 32"),
+        ({"type": "constant", "value": 3}, "4", "'4' is not one of 3"),
+    ],
+)
+def test_coerce_bad_cells(spec: dict[str, Any], text: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        space.coerce("p", P(**spec), text)
+    assert str(info.value) == message
+
+
+def test_float_values_are_finite_after_from_unit() -> None:
+    params = {"lr": P(type="float", low=1e-6, high=1.0, log=True)}
+    for u in np.linspace(0, 1, 11):
+        assert math.isfinite(space.from_unit(params, np.array([u]))["lr"])
