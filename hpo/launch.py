@@ -61,7 +61,8 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     per_trial = resources.gpus_per_trial
     if ids:
         if len(ids) < per_trial:
-            raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but only {len(ids)} GPUs")
+            raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but this machine has "
+                             f"{len(ids)} GPU{'s' if len(ids) != 1 else ''}")
         count = min(resources.parallel, len(ids) // per_trial)
         return tuple(Slot(i, ids[i * per_trial:(i + 1) * per_trial], per_trial, 1) for i in range(count))
     cpus = cpu_count or os.cpu_count() or 1
@@ -73,16 +74,14 @@ def build_argv(command: Sequence[str], params: Mapping[str, Any], flags: bool,
                processes: int, torchrun: bool) -> list[str]:
     """The trial's argument list: ``python`` is this interpreter; flags append ``--name value``."""
     argv = list(command)
-    is_python = Path(argv[0]).name in PYTHON_NAMES
+    if Path(argv[0]).name in PYTHON_NAMES:
+        argv[0] = sys.executable
     if flags:
         for name, value in params.items():
             argv += [f"--{name}", str(value)]
     if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", str(processes)]
-        return launcher + (argv[1:] if is_python else ["--no-python"] + argv)
-    if is_python:
-        argv[0] = sys.executable
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(processes), "--no-python", *argv]
     return argv
 
 
@@ -196,7 +195,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         try:
             while ended_by is None:
                 reader.join(timeout=POLL_S)
-                if not reader.is_alive() and proc.poll() is not None:
+                if proc.poll() is not None:
                     break
                 if timeout is not None and time.monotonic() - start > timeout:
                     ended_by = "timeout"

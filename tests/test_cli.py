@@ -67,7 +67,7 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
         folder = Path(row["folder"])
         assert (folder / "digits_cnn.py").is_file() and (folder / "model.pt").is_file()
         command = (folder / "command.txt").read_text()
-        assert "torch.distributed.run --standalone --nproc-per-node 2 digits_cnn.py" in command
+        assert f"torch.distributed.run --standalone --nproc-per-node 2 --no-python {sys.executable} digits_cnn.py" in command
         log = (folder / "trial.log").read_text()
         assert '"step": 2' in log and '"test_error"' in log
 
