@@ -94,10 +94,11 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None,
+            timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """Run ``python -m hpo ARGS`` and capture its output (text)."""
     return subprocess.run([sys.executable, "-m", "hpo", *map(str, args)], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")

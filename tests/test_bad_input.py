@@ -63,7 +63,7 @@ CASES = {
                                    {"objective": {"held_out": ["val_error"]}}),
     "parallel-zero": Case(("resources.parallel", "greater than or equal to 1"), {"resources": {"parallel": 0}}),
     "grid-on-continuous": Case(("parameters.x", "method grid needs a step"), {"search": {"method": "grid"}}),
-    "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but only 1"),
+    "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but this machine has 1 GPU"),
                                     {"resources": {"gpus": [0], "gpus_per_trial": 2}}),
     # design CSV
     "csv-missing-file": Case(("search.csv", "design.csv not found"), {"search": CSV_SEARCH}),

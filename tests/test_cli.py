@@ -6,13 +6,13 @@ as a user would, and reads what the user reads: the CSV, the status table, the c
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_hpo
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,9 +21,7 @@ SCENARIOS = REPO / "scenarios"
 
 def hpo(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     """Run the ``hpo`` CLI to the end (no GPUs: trials are CPU processes)."""
-    env = dict(os.environ, HPO_GPUS="", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "hpo", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return run_hpo(*args, timeout=timeout)
 
 
 def shrunk(name: str, tmp_path: Path, *, search: dict[str, Any] | None = None,

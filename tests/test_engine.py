@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -17,11 +16,11 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+from conftest import cli_env, run_hpo
 from optuna.trial import TrialState
 
 from hpo.launch import TOKEN_ENV
 
-REPO = Path(__file__).resolve().parents[1]
 
 SLEEPY = textwrap.dedent("""\
     import sys, time
@@ -34,23 +33,15 @@ SLEEPY = textwrap.dedent("""\
     """)
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["HPO_GPUS"] = ""
-    return env
-
-
 def hpo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``hpo ARGS`` to the end."""
-    return subprocess.run([sys.executable, "-m", "hpo", *args], capture_output=True, text=True,
-                          env=_env(), timeout=timeout)
+    return run_hpo(*args, timeout=timeout)
 
 
 def hpo_background(*args: str) -> subprocess.Popen[str]:
     """Start ``hpo ARGS`` and return at once."""
     return subprocess.Popen([sys.executable, "-m", "hpo", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env())
+                            stderr=subprocess.STDOUT, text=True, env=cli_env())
 
 
 def scenario(tmp_path: Path, *, trials: int = 6, parallel: int = 2, steps: int = 3, pause: float = 0.1,

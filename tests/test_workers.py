@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import run_hpo
 
-REPO = Path(__file__).resolve().parents[1]
 BRANIN = textwrap.dedent("""\
     import math
     x, y = {{ x }}, {{ y }}
@@ -21,10 +19,8 @@ BRANIN = textwrap.dedent("""\
 
 
 def hpo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run the ``hpo`` CLI to the end."""
-    env = dict(os.environ, HPO_GPUS="", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "hpo", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    """Run the ``hpo`` CLI to the end (no GPUs: trials are CPU processes)."""
+    return run_hpo(*args, timeout=timeout)
 
 
 def branin(tmp_path: Path, method: str, trials: int, parallel: int = 3) -> Path:
