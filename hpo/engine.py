@@ -6,13 +6,11 @@ ask lock, where the budget (``search.trials`` for the whole study) is checked, s
 on any number of machines never run more. Every trial ends as a recorded value — COMPLETE,
 FAIL, PRUNED, or STOPPED / TIMEOUT with a reason — never as an exception that escapes the
 loop. A watchdog thread beats each running trial's heartbeat and picks up stop requests;
-trials whose worker died (stale heartbeat) are failed, their processes killed, and retried
-as ``search.retry_failed`` says.
+trials whose worker died are failed, cleaned up and retried by :mod:`hpo.recovery`.
 """
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -24,23 +22,21 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 import optuna
-import psutil
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from hpo import designs, space
 from hpo.errors import InputError
-from hpo.launch import Slot, build_argv, kill_by_token, run_process, trial_env
+from hpo.launch import Slot, build_argv, run_process, trial_env
+from hpo.recovery import HOST, fail_stale_trials, retry
 from hpo.render import LOG_FILE, Renderer, trial_folder
 from hpo.results import MetricParser, judge
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
-from hpo.store import (RESULT_ATTR, RUN_ATTR, SYS_DESIGN_INDEX, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF,
-                       SYS_STOP, ask_lock, counted_trials, open_study, run_info)
+from hpo.store import (RESULT_ATTR, RUN_ATTR, SYS_DESIGN_INDEX, SYS_HEARTBEAT, SYS_STOP, ask_lock,
+                       counted_trials, open_study)
 
 WATCH_INTERVAL_S = 1.0
 _WAIT = object()
-_HOST = socket.gethostname()
-STALE_AFTER_BEATS = 3
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
@@ -84,7 +80,7 @@ class SweepConfig:
     workdir: Path
     slots: tuple[Slot, ...]
     seed: int
-    worker: str = field(default_factory=lambda: f"{_HOST}:{os.getpid()}")
+    worker: str = field(default_factory=lambda: f"{HOST}:{os.getpid()}")
 
 
 @dataclass
@@ -242,7 +238,7 @@ class Sweep:
             token = f"{self._scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
             folder = trial_folder(self.config.workdir, trial.number)
             trial.set_user_attr(RUN_ATTR, {"folder": str(folder), "worker": self.config.worker,
-                                           "host": _HOST, "token": token, "worker_seed": self.config.seed})
+                                           "host": HOST, "token": token, "worker_seed": self.config.seed})
             with self._lock:
                 self._running[trial.number] = _Running(trial, token)
         return trial, params
@@ -338,52 +334,13 @@ class Sweep:
             self._study.tell(trial, state=TrialState.PRUNED)
         else:
             self._study.tell(trial, state=TrialState.FAIL)
-            frozen = self._study._storage.get_trial(trial._trial_id)
-            self._maybe_retry(frozen, always=end.state == "INTERRUPTED")
-
-    def _maybe_retry(self, failed: FrozenTrial, always: bool = False) -> None:
-        """Enqueue the same configuration again if ``search.retry_failed`` allows it."""
-        retries = int(failed.system_attrs.get(SYS_RETRIES, 0))
-        if not always and retries >= self._scenario.search.retry_failed:
-            return
-        system_attrs = {"fixed_params": dict(failed.params), SYS_RETRY_OF: failed.number,
-                        SYS_RETRIES: retries + (0 if always else 1)}
-        self._study.add_trial(optuna.trial.create_trial(
-            state=TrialState.WAITING, params=failed.params, distributions=failed.distributions,
-            system_attrs=system_attrs))
-
-    def _is_stale(self, trial: FrozenTrial, now: float) -> bool:
-        """A running trial is stale when its worker is gone: a dead process on this host,
-        or no heartbeat for ``STALE_AFTER_BEATS`` intervals."""
-        host, _, pid = str(run_info(trial).get("worker", "")).rpartition(":")
-        if host == _HOST and pid.isdigit():
-            if int(pid) == os.getpid():
-                return False
-            if not psutil.pid_exists(int(pid)):
-                return True
-        beat = trial.system_attrs.get(SYS_HEARTBEAT)
-        if beat is None and trial.datetime_start is not None:
-            beat = trial.datetime_start.timestamp()
-        grace = STALE_AFTER_BEATS * self._scenario.resources.heartbeat
-        return beat is None or now - float(beat) > grace
+            retry(self._study, self._study._storage.get_trial(trial._trial_id),
+                  self._scenario.search.retry_failed, always=end.state == "INTERRUPTED")
 
     def _fail_stale_trials(self) -> None:
-        """Fail RUNNING trials whose worker is gone; kill their leftovers; maybe retry them.
-
-        Call under the ask lock."""
-        now = time.time()
-        storage = self._study._storage
-        for trial in self._study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if trial.number in self._running or not self._is_stale(trial, now):
-                continue
-            run = run_info(trial)
-            if run.get("token") and run.get("host") == _HOST:
-                kill_by_token(str(run["token"]))
-            storage.set_trial_user_attr(trial._trial_id, RESULT_ATTR, {
-                "held_out": {}, "duration_s": None, "reason": "lost: its worker stopped", "outcome": "LOST"})
-            if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
-                continue
-            self._maybe_retry(storage.get_trial(trial._trial_id))
+        """Fail other workers' trials whose worker is gone (call under the ask lock)."""
+        fail_stale_trials(self._study, self._scenario.resources.heartbeat, self._scenario.search.retry_failed,
+                          mine=set(self._running))
 
     def _watch(self) -> None:
         """Beat the heartbeat of this worker's trials; pass on stop requests from the store."""

@@ -137,10 +137,10 @@ def test_stop_from_another_process(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=1, parallel=1, steps=200, pause=0.1)
     run = hpo_background("run", str(path))
     wait_for(lambda: "0" in running_trials(path) and len(trial_processes(tmp_path)) == 1)
-    began = time.monotonic()
     stop = hpo("stop", str(path), "0")
     assert stop.returncode == 0, stop.stderr
-    wait_for(lambda: export(path)[0]["state"] != "RUNNING", timeout=15)
+    began = time.monotonic()
+    wait_for(lambda: not running_trials(path), timeout=15)
     assert time.monotonic() - began < 10
     assert run.wait(timeout=60) == 0
     rows = export(path)
