@@ -32,14 +32,14 @@ def running(study: optuna.Study, worker: str, beat: float | None) -> optuna.tria
 
 
 @pytest.mark.parametrize(("worker", "beat_age", "stale"), [
-    (f"{HOST}:{os.getpid()}", 10_000, False),
-    (f"{HOST}:DEAD", 0, True),
-    ("elsewhere:12", 1, False),
-    ("elsewhere:12", STALE_AFTER_BEATS * 2 + 1, True),
+    pytest.param("HOST:SELF", 10_000, False, id="this-process-never"),
+    pytest.param("HOST:DEAD", 0, True, id="dead-process-on-this-host"),
+    pytest.param("elsewhere:12", 1, False, id="other-host-recent-beat"),
+    pytest.param("elsewhere:12", STALE_AFTER_BEATS * 2 + 1, True, id="other-host-old-beat"),
 ])
 def test_is_stale(worker: str, beat_age: float, stale: bool) -> None:
     study = optuna.create_study()
-    worker = worker.replace("DEAD", str(dead_pid()))
+    worker = worker.replace("HOST", HOST).replace("SELF", str(os.getpid())).replace("DEAD", str(dead_pid()))
     trial = running(study, worker, time.time() - beat_age)
     frozen = study.get_trials(deepcopy=False)[trial.number]
     assert is_stale(frozen, time.time(), heartbeat_s=2.0) is stale
