@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO_ROOT / "templates" / "digits_cnn.py.j2"
-NB_FILTERS, CONV_SIZE, LR, BATCH_SIZE = 128, 5, 0.05, 128
+NB_FILTERS, CONV_SIZE, LR, BATCH_SIZE = 128, 5, 0.1, 256
 SPLIT_SEED, SEED = 0, 0
 EVAL_BATCH_SIZE = 1024
 PLAIN_EPOCH_LINE = re.compile(r"^epoch (\d+) val_error (\S+)$")

@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from hpo.results import report
 
 SPLIT_SEED = 0
-EVAL_BATCH_SIZE = 1024
 OPTIMIZERS = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
@@ -105,23 +104,17 @@ def make_mlp(hidden: int, dropout: float) -> nn.Module:
 
 @torch.no_grad()
 def error_rate(net: nn.Module, split: TensorDataset, runtime: Runtime) -> float:
-    """Classification error of ``net`` over the whole split, the same on every rank.
+    """Classification error of ``net`` over the whole split; rank 0 alone calls it.
 
-    Each rank scores every ``world_size``-th sample (no padding, no duplicates) and the
-    counts are summed across ranks. Pass the bare module, not the DDP wrapper: ranks may
-    run different numbers of batches, and DDP's forward would wait for the others.
+    Pass the bare module, not the DDP wrapper, whose forward would wait for the other
+    ranks. Evaluating on one rank keeps collectives out of a trial's last moments: a gloo
+    worker thread still releasing a collective's tensors while the interpreter shuts down
+    aborts the process (pytorch/pytorch#190489).
     """
     net.eval()
-    inputs, labels = (tensor[runtime.rank::runtime.world_size] for tensor in split.tensors)
-    counts = torch.zeros(2, dtype=torch.int64, device=runtime.device)
-    for start in range(0, len(labels), EVAL_BATCH_SIZE):
-        batch = inputs[start:start + EVAL_BATCH_SIZE].to(runtime.device)
-        predicted = net(batch).argmax(dim=1)
-        counts[0] += (predicted != labels[start:start + EVAL_BATCH_SIZE].to(runtime.device)).sum()
-        counts[1] += len(batch)
-    if runtime.world_size > 1:
-        dist.all_reduce(counts)
-    return counts[0].item() / counts[1].item()
+    inputs, labels = split.tensors
+    predicted = net(inputs.to(runtime.device)).argmax(dim=1).cpu()
+    return int((predicted != labels).sum()) / len(labels)
 
 
 def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
@@ -157,10 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         for epoch in range(1, args.epochs + 1):
             sampler.set_epoch(epoch)
             train_one_epoch(model, loader, optimizer, runtime)
-            val_error = error_rate(net, splits["val"], runtime)
-            report(step=epoch, val_error=val_error)
-        report(val_error=val_error, test_error=error_rate(net, splits["test"], runtime))
+            if runtime.rank == 0:
+                val_error = error_rate(net, splits["val"], runtime)
+                report(step=epoch, val_error=val_error)
         if runtime.rank == 0:
+            report(val_error=val_error, test_error=error_rate(net, splits["test"], runtime))
             torch.save(net.state_dict(), Path("model.pt"))
     finally:
         if dist.is_initialized():

@@ -1,0 +1,266 @@
+"""Contract tests for hpo.forest.ForestSampler (random-forest Bayesian optimization)."""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+from ConfigSpace import (
+    CategoricalHyperparameter,
+    ConfigurationSpace,
+    Constant,
+    EqualsCondition,
+    UniformFloatHyperparameter,
+    UniformIntegerHyperparameter,
+)
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState
+
+from hpo.forest import ForestSampler, _Codec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def branin(x1: float, x2: float) -> float:
+    """Branin-Hoo; global minimum 0.397887 at (pi, 2.275) and two other points."""
+    b, c = 5.1 / (4 * math.pi**2), 5 / math.pi
+    return (x2 - b * x1**2 + c * x1 - 6) ** 2 + 10 * (1 - 1 / (8 * math.pi)) * math.cos(x1) + 10
+
+
+BRANIN_MIN = 0.397887357729739
+
+
+def branin_space() -> ConfigurationSpace:
+    cs = ConfigurationSpace()
+    cs.add([UniformFloatHyperparameter("x1", -5.0, 10.0), UniformFloatHyperparameter("x2", 0.0, 15.0)])
+    return cs
+
+
+def branin_objective(trial: optuna.Trial) -> float:
+    return branin(trial.suggest_float("x1", -5.0, 10.0), trial.suggest_float("x2", 0.0, 15.0))
+
+
+def mixed_space() -> ConfigurationSpace:
+    cs = ConfigurationSpace()
+    cs.add(
+        [
+            UniformFloatHyperparameter("dropout", 0.0, 0.8),
+            UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True),
+            UniformIntegerHyperparameter("layers", 1, 6),
+            UniformIntegerHyperparameter("units", 8, 512, log=True),
+            CategoricalHyperparameter("act", ["relu", "tanh"]),
+            CategoricalHyperparameter("batch", [16, 32, 64]),
+            CategoricalHyperparameter("bias", [True, False]),
+            Constant("epochs", 10),
+        ]
+    )
+    return cs
+
+
+def mixed_objective(trial: optuna.Trial) -> float:
+    dropout = trial.suggest_float("dropout", 0.0, 0.8)
+    lr = trial.suggest_float("lr", 1e-4, 1.0, log=True)
+    layers = trial.suggest_int("layers", 1, 6)
+    units = trial.suggest_int("units", 8, 512, log=True)
+    act = trial.suggest_categorical("act", ["relu", "tanh"])
+    batch = trial.suggest_categorical("batch", [16, 32, 64])
+    bias = trial.suggest_categorical("bias", [True, False])
+    epochs = trial.suggest_categorical("epochs", [10])
+    assert epochs == 10 and isinstance(bias, bool) and batch in (16, 32, 64)
+    return (
+        (math.log10(lr) + 2) ** 2
+        + (layers - 3) ** 2 / 4
+        + (math.log2(units) - 6) ** 2 / 9
+        + (dropout - 0.2) ** 2
+        + (act == "tanh") * 0.5
+        + (batch != 32) * 0.2
+        + (not bias) * 0.1
+    )
+
+
+def conditional_space() -> ConfigurationSpace:
+    cs = ConfigurationSpace()
+    optimizer = CategoricalHyperparameter("optimizer", ["sgd", "adam"])
+    momentum = UniformFloatHyperparameter("momentum", 0.0, 0.99)
+    cs.add([optimizer, momentum, UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True)])
+    cs.add(EqualsCondition(momentum, optimizer, "sgd"))
+    return cs
+
+
+def conditional_objective(trial: optuna.Trial) -> float:
+    optimizer = trial.suggest_categorical("optimizer", ["sgd", "adam"])
+    penalty = 0.3
+    if optimizer == "sgd":
+        penalty = (trial.suggest_float("momentum", 0.0, 0.99) - 0.9) ** 2
+    return (math.log10(trial.suggest_float("lr", 1e-4, 1.0, log=True)) + 1.5) ** 2 + penalty
+
+
+def run(sampler: ForestSampler, objective: Any, n_trials: int, study: optuna.Study | None = None) -> optuna.Study:
+    study = study or optuna.create_study(sampler=sampler)
+    study.optimize(objective, n_trials=n_trials)
+    return study
+
+
+def test_encodes_every_parameter_type() -> None:
+    codec = _Codec(mixed_space())
+    params = {"dropout": 0.25, "lr": 0.003, "layers": 4, "units": 100, "act": "tanh", "batch": 64, "bias": False}
+    row = codec.encode([params])[0]
+    assert np.all((row >= 0) & (row <= 2))
+    assert codec.decode(row) == pytest.approx({**params, "epochs": 10})
+
+
+def test_suggests_legal_values_of_every_type() -> None:
+    study = run(ForestSampler(mixed_space(), seed=0), mixed_objective, 25)
+    for trial in study.trials:
+        p = trial.params
+        assert 0.0 <= p["dropout"] <= 0.8 and 1e-4 <= p["lr"] <= 1.0
+        assert isinstance(p["layers"], int) and 1 <= p["layers"] <= 6
+        assert isinstance(p["units"], int) and 8 <= p["units"] <= 512
+        assert p["act"] in ("relu", "tanh") and type(p["batch"]) is int and type(p["bias"]) is bool
+    assert study.best_value < 1.0
+
+
+def test_conditional_parameters_are_left_out_when_inactive() -> None:
+    codec = _Codec(conditional_space())
+    rows = codec.encode([{"optimizer": "adam", "lr": 0.01}, {"optimizer": "sgd", "momentum": 0.5, "lr": 0.01}])
+    assert "momentum" not in codec.decode(rows[0]) and codec.decode(rows[1])["momentum"] == pytest.approx(0.5)
+    assert "momentum" not in codec.decode(codec.canonical(np.where(np.isnan(rows), 0.3, rows))[0])
+    study = run(ForestSampler(conditional_space(), seed=1), conditional_objective, 40)
+    assert {t.params["optimizer"] for t in study.trials} == {"sgd", "adam"}
+    assert all(("momentum" in t.params) == (t.params["optimizer"] == "sgd") for t in study.trials)
+    assert study.best_value < 0.05
+
+
+def test_failed_trials_steer_away_from_their_region() -> None:
+    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=3))
+    for _ in range(40):
+        trial = study.ask()
+        x1, x2 = trial.suggest_float("x1", -5.0, 10.0), trial.suggest_float("x2", 0.0, 15.0)
+        if x1 < 2.0:  # two of Branin's three minima lie here: crashes, not values
+            study.tell(trial, state=TrialState.FAIL)
+        else:
+            study.tell(trial, branin(x1, x2))
+    late = [t for t in study.trials[15:]]
+    crashed = sum(t.state == TrialState.FAIL for t in late)
+    assert crashed <= 0.25 * len(late)
+    assert study.best_value < BRANIN_MIN + 0.1
+
+
+def test_pruned_trial_counts_with_its_last_intermediate_value() -> None:
+    sampler = ForestSampler(branin_space(), seed=0)
+    study = optuna.create_study(sampler=sampler)
+    dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
+    study.add_trial(optuna.trial.create_trial(params={"x1": 0.0, "x2": 0.0}, distributions=dists, value=5.0))
+    study.add_trial(optuna.trial.create_trial(params={"x1": 1.0, "x2": 1.0}, distributions=dists, value=9.0))
+    pruned = {"x1": 2.0, "x2": 2.0}
+    study.add_trial(
+        optuna.trial.create_trial(
+            params=pruned, distributions=dists, state=TrialState.PRUNED, intermediate_values={0: 8.0, 3: 7.0}
+        )
+    )
+    study.add_trial(optuna.trial.create_trial(params={"x1": 3.0, "x2": 3.0}, distributions=dists, state=TrialState.FAIL))
+    history = sampler._history(study, -1)
+    assert list(history.y) == [5.0, 9.0, 7.0, 9.0]
+
+
+@pytest.mark.parametrize("suggested", [True, False])
+def test_running_trial_of_another_worker_is_avoided(suggested: bool) -> None:
+    study = run(ForestSampler(branin_space(), seed=5), branin_objective, 20)
+    first = study.ask()
+    if suggested:
+        first.suggest_float("x1", -5.0, 10.0), first.suggest_float("x2", 0.0, 15.0)
+    second = study.ask()
+    a = first._cached_frozen_trial.params if suggested else None
+    b = np.array([second.suggest_float("x1", -5.0, 10.0), second.suggest_float("x2", 0.0, 15.0)])
+    if a is None:
+        a = {"x1": first.suggest_float("x1", -5.0, 10.0), "x2": first.suggest_float("x2", 0.0, 15.0)}
+    distance = np.linalg.norm((b - np.array([a["x1"], a["x2"]])) / 15.0)
+    assert distance > 0.02
+
+
+def test_same_seed_gives_the_same_sequence() -> None:
+    def sequence(seed: int) -> list[dict[str, Any]]:
+        return [t.params for t in run(ForestSampler(mixed_space(), seed=seed), mixed_objective, 20).trials]
+
+    assert sequence(7) == sequence(7)
+    assert sequence(7) != sequence(8)
+
+
+def test_no_duplicates_on_a_small_discrete_space() -> None:
+    cs = ConfigurationSpace()
+    cs.add([UniformIntegerHyperparameter("a", 0, 4), UniformIntegerHyperparameter("b", 1, 5)])
+    cs.add(CategoricalHyperparameter("c", ["x", "y", "z", "w"]))
+
+    def objective(trial: optuna.Trial) -> float:
+        a, b = trial.suggest_int("a", 0, 4), trial.suggest_int("b", 1, 5)
+        return (a - 2) ** 2 + (b - 4) ** 2 + (trial.suggest_categorical("c", ["x", "y", "z", "w"]) != "z")
+
+    study = run(ForestSampler(cs, seed=0), objective, 60)
+    assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 60
+
+
+def test_warm_starts_from_existing_trials() -> None:
+    rng = np.random.default_rng(0)
+    dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
+    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    warm = []
+    for _ in range(30):
+        params = {"x1": float(rng.uniform(-5, 10)), "x2": float(rng.uniform(0, 15))}
+        warm.append(branin(**params))
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=warm[-1]))
+    study.optimize(branin_objective, n_trials=6)
+    proposed = [t.value for t in study.trials[30:]]
+    assert statistics.median(proposed) < statistics.median(warm) / 4
+    assert min(proposed) < min(warm)
+
+
+def test_enqueued_trials_keep_their_values() -> None:
+    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    study.enqueue_trial({"x1": 1.5, "x2": 2.5})
+    study.optimize(branin_objective, n_trials=3)
+    assert study.trials[0].params == {"x1": 1.5, "x2": 2.5}
+
+
+def test_unknown_parameter_is_sampled_at_random() -> None:
+    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    trial = study.ask()
+    assert 0.0 <= trial.suggest_float("other", 0.0, 1.0) <= 1.0
+    assert trial.suggest_categorical("kind", ["a", "b"]) in ("a", "b")
+
+
+def test_maximize_direction() -> None:
+    sampler = ForestSampler(branin_space(), seed=2, direction="maximize")
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    study.optimize(lambda trial: -branin_objective(trial), n_trials=30)
+    assert -study.best_value < BRANIN_MIN + 0.5
+
+
+def test_threads_and_workers_sharing_one_storage() -> None:
+    storage = optuna.storages.InMemoryStorage()
+    studies = [
+        optuna.create_study(storage=storage, study_name="shared", sampler=ForestSampler(branin_space(), seed=s), load_if_exists=True)
+        for s in (1, 2)
+    ]
+    threads = [threading.Thread(target=s.optimize, args=(branin_objective,), kwargs={"n_trials": 15, "n_jobs": 2}) for s in studies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trials = studies[0].trials
+    assert len(trials) == 30 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert len({(t.params["x1"], t.params["x2"]) for t in trials}) == 30
+    assert studies[0].best_value < 2.0
+
+
+def test_beats_random_search_on_branin() -> None:
+    def regret(sampler: optuna.samplers.BaseSampler) -> float:
+        return run(sampler, branin_objective, 40).best_value - BRANIN_MIN  # type: ignore[arg-type]
+
+    forest = [regret(ForestSampler(branin_space(), seed=s)) for s in range(3)]
+    random = [regret(optuna.samplers.RandomSampler(seed=s)) for s in range(3)]
+    assert statistics.median(forest) < 0.2 * statistics.median(random)
+    assert max(forest) < 0.1
