@@ -18,6 +18,7 @@ Usage: ``python bench/ddp_scaling.py [--procs 1 2] [--epochs 5] [--repeats 3]``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -176,7 +177,7 @@ def timed_run(args: list[str], nproc: int, cwd: Path, gpus: int) -> Timing:
         raise RuntimeError(f"{' '.join(args)} on {nproc} processes failed (exit "
                            f"{process.returncode}, {len(marks)} epochs):\n{''.join(other[-20:])}")
     durations = [(end - start) / (epoch - previous)
-                 for (previous, start, _), (epoch, end, _) in zip(marks, marks[1:])]
+                 for (previous, start, _), (epoch, end, _) in itertools.pairwise(marks)]
     return Timing(min(durations), marks[-1][2])
 
 
