@@ -102,10 +102,14 @@ def grid_values(name: str, p: Param) -> list[Any]:
 
 
 def config_space(params: Params, seed: int | None = None) -> Any:
-    """The ConfigSpace space of ``params``, conditions included."""
+    """The ConfigSpace space of ``params``, conditions included.
+
+    A stepped parameter is its plain range here; samplers snap values onto the step grid
+    (its Optuna distribution), so models see one smooth ordered dimension.
+    """
     from ConfigSpace import (
         CategoricalHyperparameter, ConfigurationSpace, Constant, EqualsCondition, InCondition,
-        NormalFloatHyperparameter, NormalIntegerHyperparameter, OrdinalHyperparameter,
+        NormalFloatHyperparameter, NormalIntegerHyperparameter,
         UniformFloatHyperparameter, UniformIntegerHyperparameter)
 
     space = ConfigurationSpace(seed=seed)
@@ -119,8 +123,6 @@ def config_space(params: Params, seed: int | None = None) -> Any:
             hp = NormalIntegerHyperparameter(name, mu=p.mean, sigma=p.std, lower=int(p.low), upper=int(p.high))
         elif p.is_normal:
             hp = NormalFloatHyperparameter(name, mu=p.mean, sigma=p.std, lower=p.low, upper=p.high)
-        elif p.step is not None and (p.type == "float" or p.step != 1):
-            hp = OrdinalHyperparameter(name, _grid_values(p))
         elif p.type == "int":
             hp = UniformIntegerHyperparameter(name, int(p.low), int(p.high), log=p.log)
         else:

@@ -8,7 +8,7 @@ import numpy as np
 import optuna
 import pytest
 from ConfigSpace import (CategoricalHyperparameter, Constant, EqualsCondition, InCondition,
-                         NormalFloatHyperparameter, NormalIntegerHyperparameter, OrdinalHyperparameter,
+                         NormalFloatHyperparameter, NormalIntegerHyperparameter,
                          UniformFloatHyperparameter, UniformIntegerHyperparameter)
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -31,8 +31,8 @@ PARSER_CASES = [
                  FloatDistribution(1e-4, 1.0, log=True), UniformFloatHyperparameter,
                  {"lower": 1e-4, "upper": 1.0, "log": True}, id="float-log"),
     pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.25},
-                 FloatDistribution(0.0, 1.0, step=0.25), OrdinalHyperparameter,
-                 {"sequence": (0.0, 0.25, 0.5, 0.75, 1.0)}, id="float-step"),
+                 FloatDistribution(0.0, 1.0, step=0.25), UniformFloatHyperparameter,
+                 {"lower": 0.0, "upper": 1.0, "log": False}, id="float-step"),
     pytest.param({"type": "int", "low": 1, "high": 8},
                  IntDistribution(1, 8), UniformIntegerHyperparameter,
                  {"lower": 1, "upper": 8, "log": False}, id="int"),
@@ -40,8 +40,8 @@ PARSER_CASES = [
                  IntDistribution(1, 1024, log=True), UniformIntegerHyperparameter,
                  {"lower": 1, "upper": 1024, "log": True}, id="int-log"),
     pytest.param({"type": "int", "low": 0, "high": 8, "step": 2},
-                 IntDistribution(0, 8, step=2), OrdinalHyperparameter,
-                 {"sequence": (0, 2, 4, 6, 8)}, id="int-step"),
+                 IntDistribution(0, 8, step=2), UniformIntegerHyperparameter,
+                 {"lower": 0, "upper": 8, "log": False}, id="int-step"),
     pytest.param({"type": "int", "low": 2, "high": 5, "step": 1},
                  IntDistribution(2, 5), UniformIntegerHyperparameter,
                  {"lower": 2, "upper": 5}, id="int-step-1"),
