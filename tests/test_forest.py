@@ -239,11 +239,14 @@ def test_maximize_direction() -> None:
     assert -study.best_value < BRANIN_MIN + 0.5
 
 
-def test_threads_and_workers_sharing_one_storage() -> None:
+def test_threads_sharing_one_sampler_and_storage() -> None:
+    """Threads share one sampler (its lock orders proposals); across processes the
+    engine's ask lock does the same (tests/test_workers.py)."""
     storage = optuna.storages.InMemoryStorage()
+    sampler = ForestSampler(branin_space(), seed=1)
     studies = [
-        optuna.create_study(storage=storage, study_name="shared", sampler=ForestSampler(branin_space(), seed=s), load_if_exists=True)
-        for s in (1, 2)
+        optuna.create_study(storage=storage, study_name="shared", sampler=sampler, load_if_exists=True)
+        for _ in (1, 2)
     ]
     threads = [threading.Thread(target=s.optimize, args=(branin_objective,), kwargs={"n_trials": 15, "n_jobs": 2}) for s in studies]
     for t in threads:
