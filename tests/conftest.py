@@ -117,3 +117,21 @@ def run_cli() -> RunCli:
 def scenario_path(tmp_path: Path) -> Path:
     """The base scenario, written into a fresh folder."""
     return write_scenario_file(tmp_path)
+
+
+def run_torch_job(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
+                  timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run a training script; run it once more if gloo aborted the process at exit.
+
+    PyTorch's gloo backend can abort a rank at interpreter shutdown (SIGABRT) after the
+    script finished (pytorch/pytorch#190489), more often on a loaded machine. That upstream
+    race is retried once; any other failure, or a second abort, is returned as it is.
+    """
+    def once() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), cwd=cwd, env=dict(env), capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    done = once()
+    if done.returncode != 0 and "SIGABRT" in done.stdout + done.stderr:
+        done = once()
+    return done

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import runpy
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
+from conftest import run_torch_job
 
 from hpo.results import parse_text
 
@@ -54,8 +54,7 @@ def train(folder: Path, nproc: int) -> Trained:
     trial_env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                               os.environ.get("PYTHONPATH")])),
                      CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, *launcher, "digits_cnn.py"], cwd=folder, env=trial_env,
-                          capture_output=True, text=True, timeout=180, check=False)
+    done = run_torch_job([sys.executable, *launcher, "digits_cnn.py"], cwd=folder, env=trial_env)
     assert done.returncode == 0, done.stdout + done.stderr
     return Trained(folder, torch.load(folder / "model.pt", weights_only=True),
                    dict(parse_text(done.stdout, "val_error").final))

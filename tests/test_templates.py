@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 import numpy as np
 import pytest
+from conftest import run_torch_job
 
 from hpo.data import CIFAR10_FOLDER, write_cifar10_batches, write_mnist_idx
 from hpo.results import Metrics, parse_text
@@ -75,9 +76,8 @@ def launch(script: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[
     """Run ``script`` in its folder: plainly for one process, else under torchrun (gloo)."""
     launcher = ([] if nproc == 1 else
                 ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)])
-    return subprocess.run([sys.executable, *launcher, script.name, *args], cwd=script.parent,
-                          env=trial_env(), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, check=False)
+    return run_torch_job([sys.executable, *launcher, script.name, *args], cwd=script.parent,
+                         env=trial_env(), timeout=RUN_TIMEOUT_S)
 
 
 def run_trial(script: Path, nproc: int, epochs: int, *args: str) -> Metrics:
