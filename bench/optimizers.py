@@ -5,6 +5,8 @@ Run from the repository root::
     python -m bench.optimizers                       # full run: 6 functions, 5 seeds, 100 trials
     python -m bench.optimizers --quick               # 3 seeds, 50 trials, a smoke test
     python -m bench.optimizers --functions branin,mixed --seeds 10
+    python -m bench.optimizers --methods SMAC3,TPE,random --save base.json   # baselines once,
+    python -m bench.optimizers --methods hpo --load base.json                # then hpo beside them
 
 Prints the median regret (best value found minus the known optimum; for a real tuning
 task, minus the best value any run found) at 50 and 100 trials, the ratios hpo/SMAC3 and
@@ -13,6 +15,8 @@ hpo/TPE, and ForestSampler's mean ask+tell time with the study on SQLite.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -102,7 +106,7 @@ def _quiet() -> None:
 
 def time_ask_tell(n_finished: int, n_measured: int = 20, seed: int = 0) -> tuple[float, float]:
     """Mean seconds per ask+tell on an SQLite study pre-filled with ``n_finished`` trials:
-    (ForestSampler, RandomSampler) on Hartmann-6."""
+    (ForestSampler, RandomSampler) on Hartmann-6, after three warm-up trials."""
     _quiet()
     fn = FUNCTIONS["hartmann6"]
     rng = np.random.default_rng(seed)
@@ -119,10 +123,11 @@ def time_ask_tell(n_finished: int, n_measured: int = 20, seed: int = 0) -> tuple
             storage = f"sqlite:///{os.path.join(folder, f'study{i}.db')}"
             study = optuna.create_study(storage=storage, sampler=sampler)
             study.add_trials(prefill)
-            start = time.perf_counter()
-            for _ in range(n_measured):
-                trial = study.ask()
-                study.tell(trial, fn.objective(fn.suggest(trial)))
+            for measured in (False, True):
+                start = time.perf_counter()
+                for _ in range(n_measured if measured else 3):
+                    trial = study.ask()
+                    study.tell(trial, fn.objective(fn.suggest(trial)))
             means.append((time.perf_counter() - start) / n_measured)
     return means[0], means[1]
 
@@ -145,7 +150,9 @@ def _regrets(runs: list[Run], n_trials: int) -> dict[tuple[str, str], list[float
     return grouped
 
 
-def _ratio(a: float, b: float) -> str:
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "-"
     if b == 0:
         return "-" if a == 0 else "inf"
     return f"{a / b:.2f}"
@@ -161,7 +168,7 @@ def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
             grouped = _regrets(runs, budget)
             med = {m: statistics.median(grouped[(name, m)]) for m in METHODS if (name, m) in grouped}
             cells = " ".join(f"{med[m]:>9.4f}" if m in med else f"{'-':>9}" for m in METHODS)
-            ratios = f"{_ratio(med.get('hpo', 0), med.get('SMAC3', 0)):>9} {_ratio(med.get('hpo', 0), med.get('TPE', 0)):>8}"
+            ratios = f"{_ratio(med.get('hpo'), med.get('SMAC3')):>9} {_ratio(med.get('hpo'), med.get('TPE')):>8}"
             lines.append(f"{name:<12} {budget:>6} {cells} {ratios}")
     for name in functions:
         if FUNCTIONS[name].optimum is None:
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials, timing at 100 trials only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument("--save", metavar="FILE", help="write this run's results to FILE (JSON)")
+    parser.add_argument("--load", metavar="FILE", help="report these saved runs beside this run's")
     args = parser.parse_args(argv)
     functions = [f for f in args.functions.split(",") if f]
     methods = [m for m in args.methods.split(",") if m]
@@ -202,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         runs = list(pool.imap_unordered(run_one, tasks))
     print(f"{len(runs)} runs, {n_trials} trials each, {seeds} seeds, in {time.perf_counter() - start:.0f} s\n")
+    if args.save:
+        with open(args.save, "w") as out:
+            json.dump([dataclasses.asdict(r) for r in runs], out)
+    if args.load:
+        with open(args.load) as saved:
+            loaded = [Run(**{**r, "values": tuple(r["values"])}) for r in json.load(saved)]
+        runs += [r for r in loaded if r.method not in methods and r.function in functions and r.seed < seeds]
     print(report(runs, budgets, functions))
     if "hpo" in methods:
         print("\nForestSampler ask+tell per trial, SQLite study (RandomSampler's in brackets):")
