@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 from ConfigSpace import CategoricalHyperparameter, ConfigurationSpace, Constant
@@ -40,12 +40,14 @@ class _Codec:
 
     Rows hold each hyperparameter's ConfigSpace vector value (floats and integers scaled
     to [0, 1], log-scaled where declared; categoricals as choice indices) in the space's
-    order; NaN marks an inactive (or unknown) value.
+    order; NaN marks an inactive (or unknown) value. A numeric hyperparameter named in
+    ``steps`` only takes the values ``lower + k * step``.
     """
 
-    def __init__(self, space: ConfigurationSpace) -> None:
+    def __init__(self, space: ConfigurationSpace, steps: Mapping[str, float] | None = None) -> None:
         self.space = space
         self.hps = list(space.values())
+        self.steps = [(steps or {}).get(hp.name) for hp in self.hps]
         self.names = [hp.name for hp in self.hps]
         self.dim = len(self.hps)
         self.categorical = np.array([isinstance(hp, CategoricalHyperparameter) for hp in self.hps])
@@ -102,7 +104,7 @@ class _Codec:
         """``n`` configurations drawn from the space's (uniform) distribution."""
         state = np.random.RandomState(int(rng.integers(2**31 - 1)))
         x = np.column_stack([hp.sample_vector(size=n, seed=state) for hp in self.hps])
-        return self.with_conditions(x.reshape(n, self.dim))
+        return self.canonical(x.reshape(n, self.dim))
 
     def from_unit(self, u: np.ndarray) -> np.ndarray:
         """Configurations for points of the unit cube (one column per hyperparameter)."""
@@ -115,13 +117,23 @@ class _Codec:
         return self.canonical(x)
 
     def canonical(self, x: np.ndarray) -> np.ndarray:
-        """Snap rows onto legal values (integers on their grid) and apply the conditions."""
+        """Snap rows onto legal values (integers and stepped values on their grid) and
+        apply the conditions."""
         x = x.copy()
         for j, hp in enumerate(self.hps):
             if self.numeric[j]:
                 col = np.clip(np.nan_to_num(x[:, j], nan=0.5), 0.0, 1.0)
-                x[:, j] = np.clip(hp.to_vector(hp.to_value(col)), 0.0, 1.0)
+                x[:, j] = np.clip(hp.to_vector(self._on_step(j, hp.to_value(col))), 0.0, 1.0)
         return self.with_conditions(x)
+
+    def _on_step(self, j: int, values: np.ndarray) -> np.ndarray:
+        step = self.steps[j]
+        if step is None:
+            return values
+        low = float(self.hps[j].lower)
+        top = math.floor((float(self.hps[j].upper) - low) / step + 1e-9)
+        snapped = low + np.clip(np.round((values - low) / step), 0, top) * step
+        return snapped.astype(values.dtype) if np.issubdtype(values.dtype, np.integer) else snapped
 
     def with_conditions(self, x: np.ndarray, fill_constants: bool = False) -> np.ndarray:
         """``x`` with inactive values set to NaN, parents before children."""
@@ -250,7 +262,8 @@ class ForestSampler(BaseSampler):
     of highest expected improvement under a random forest fitted to the log-scaled costs
     (and, if ``random_every`` > 0, a random configuration every ``random_every``-th trial).
     The parameters must be suggested under the space's names and values; a name outside
-    the space is sampled at random. Costs are the objective values (negated when
+    the space is sampled at random. ``steps`` maps a numeric name to its grid step from the
+    lower bound, so proposals are made, and told apart, on the grid. Costs are the objective values (negated when
     ``direction`` is "maximize"); a failed trial costs the worst cost seen, a pruned one its
     last intermediate value (the worst cost if it reported none), and a running trial of
     another worker the mean log-scaled cost, so parallel workers spread out. A
@@ -264,6 +277,7 @@ class ForestSampler(BaseSampler):
         self,
         config_space: ConfigurationSpace,
         *,
+        steps: Mapping[str, float] | None = None,
         seed: int | None = None,
         direction: str = "minimize",
         n_initial: int | None = None,
@@ -275,7 +289,7 @@ class ForestSampler(BaseSampler):
     ) -> None:
         if direction not in ("minimize", "maximize"):
             raise ValueError(f"direction must be 'minimize' or 'maximize', not {direction!r}")
-        self._codec = _Codec(config_space)
+        self._codec = _Codec(config_space, steps)
         self._seed = seed
         self._sign = 1.0 if direction == "minimize" else -1.0
         self._n_initial = max(2, n_initial if n_initial is not None else self._codec.dim + 1)

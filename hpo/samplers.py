@@ -25,6 +25,7 @@ def make_sampler(scenario: Scenario, seed: int) -> optuna.samplers.BaseSampler:
         from hpo.forest import ForestSampler
 
         return ForestSampler(space.config_space(scenario.parameters, seed=seed), seed=seed,
+                             steps=space.grid_steps(scenario.parameters),
                              direction=scenario.objective.direction)
     return optuna.samplers.RandomSampler(seed=seed)
 

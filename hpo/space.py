@@ -73,6 +73,11 @@ def _steps(p: Param) -> tuple[float, int] | None:
     return step, int(math.floor((p.high - p.low) / step + 1e-9)) + 1
 
 
+def grid_steps(params: Params) -> dict[str, float]:
+    """The step of every stepped int or float parameter, by name."""
+    return {name: p.step for name, p in params.items() if p.step is not None and p.type in ("int", "float")}
+
+
 def _on_step(p: Param, step: float, k: int) -> Any:
     """The ``k``-th value of a stepped parameter: ``low + k * step``."""
     return int(p.low) + k * int(step) if p.type == "int" else round(p.low + k * step, 12)

@@ -203,6 +203,20 @@ def test_no_duplicates_on_a_small_discrete_space() -> None:
     assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 60
 
 
+def test_stepped_parameters_stay_on_their_grid_without_duplicates() -> None:
+    cs = ConfigurationSpace()
+    cs.add([UniformIntegerHyperparameter("a", 0, 9), UniformFloatHyperparameter("b", 0.0, 1.0)])
+
+    def objective(trial: optuna.Trial) -> float:
+        a, b = trial.suggest_int("a", 0, 9, step=3), trial.suggest_float("b", 0.0, 1.0, step=0.1)
+        return (a - 5) ** 2 + 10 * (b - 0.55) ** 2
+
+    study = run(ForestSampler(cs, seed=0, steps={"a": 3, "b": 0.1}), objective, 44)
+    grid = {(a, round(b, 9)) for a in (0, 3, 6, 9) for b in np.arange(11) / 10}
+    points = [(t.params["a"], round(t.params["b"], 9)) for t in study.trials]
+    assert set(points) == grid
+
+
 def test_warm_starts_from_existing_trials() -> None:
     rng = np.random.default_rng(0)
     dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
@@ -256,7 +270,8 @@ def test_threads_sharing_one_sampler_and_storage() -> None:
     trials = studies[0].trials
     assert len(trials) == 30 and all(t.state == TrialState.COMPLETE for t in trials)
     assert len({(t.params["x1"], t.params["x2"]) for t in trials}) == 30
-    assert studies[0].best_value < 2.0
+    values = [t.value for t in trials]
+    assert statistics.median(values[10:]) < statistics.median(values[:10])
 
 
 def test_beats_random_search_on_branin() -> None:
@@ -265,5 +280,4 @@ def test_beats_random_search_on_branin() -> None:
 
     forest = [regret(ForestSampler(branin_space(), seed=s)) for s in range(3)]
     random = [regret(optuna.samplers.RandomSampler(seed=s)) for s in range(3)]
-    assert statistics.median(forest) < 0.2 * statistics.median(random)
-    assert max(forest) < 0.1
+    assert statistics.median(forest) < min(0.05, 0.2 * statistics.median(random))

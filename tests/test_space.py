@@ -74,6 +74,12 @@ def test_parameter_to_distribution_and_hyperparameter(spec: dict[str, Any], dist
         assert (tuple(actual) if isinstance(expected, tuple) else actual) == pytest.approx(expected), name
 
 
+def test_grid_steps_name_every_stepped_number() -> None:
+    params = {"f": P(type="float", low=0.0, high=1.0, step=0.25), "i": P(type="int", low=0, high=8, step=2),
+              "c": P(type="float", low=0.0, high=1.0), "k": P(type="categorical", choices=["a", "b"])}
+    assert space.grid_steps(params) == {"f": 0.25, "i": 2}
+
+
 @pytest.mark.parametrize(("spec", "distribution", "hp_type", "hp_attrs"), PARSER_CASES)
 def test_suggest_uses_the_same_distribution(spec: dict[str, Any], distribution: Any, hp_type: type,
                                             hp_attrs: dict[str, Any]) -> None:
