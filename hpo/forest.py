@@ -263,14 +263,14 @@ class ForestSampler(BaseSampler):
     (and, if ``random_every`` > 0, a random configuration every ``random_every``-th trial).
     The parameters must be suggested under the space's names and values; a name outside
     the space is sampled at random. ``steps`` maps a numeric name to its grid step from the
-    lower bound, so proposals are made, and told apart, on the grid. Costs are the objective values (negated when
-    ``direction`` is "maximize"); a failed trial costs the worst cost seen, a pruned one its
-    last intermediate value (the worst cost if it reported none), and a running trial of
-    another worker the mean log-scaled cost, so parallel workers spread out. A
-    configuration already in the history is never proposed while an unseen one can be
-    found. Beyond 100 observations the forest is refitted once the history has grown by
-    1 %, and fitted to at most ``max_points`` of them. With a ``seed``, one worker repeats
-    its sequence exactly.
+    lower bound, so proposals are made, and told apart, on the grid. Costs are the
+    objective values (negated when ``direction`` is "maximize"); a failed trial costs the
+    worst cost seen, a pruned one its last intermediate value (the worst cost if it reported
+    none), and a running trial of another worker the mean log-scaled cost, so parallel
+    workers spread out. A configuration already in the history is never proposed while an
+    unseen one can be found. Beyond 100 observations the forest is refitted once the history
+    has grown by 1 %, and fitted to at most ``max_points`` of them. With a ``seed``, one
+    worker repeats its sequence exactly.
     """
 
     def __init__(

@@ -74,8 +74,9 @@ def _steps(p: Param) -> tuple[float, int] | None:
 
 
 def grid_steps(params: Params) -> dict[str, float]:
-    """The step of every stepped int or float parameter, by name."""
-    return {name: p.step for name, p in params.items() if p.step is not None and p.type in ("int", "float")}
+    """The grid step of every parameter on a linear grid (stepped floats, non-log ints), by name."""
+    steps = {name: _steps(p) for name, p in params.items()}
+    return {name: s[0] for name, s in steps.items() if s is not None}
 
 
 def _on_step(p: Param, step: float, k: int) -> Any:
