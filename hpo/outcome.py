@@ -1,0 +1,86 @@
+"""How a trial ended: the one :class:`Outcome` enum and the one frozen :class:`TrialResult`.
+
+Every module that produces or reads the end of a trial (the executors, the store, status,
+export, plots, the progress view) speaks in these two types; the store alone turns them
+into Optuna states and user attributes and back (:mod:`hpo.store`).
+
+An outcome is *own* when the trial ran to an end of its own merits (COMPLETE, FAIL, PRUNED,
+STOPPED, TIMEOUT): it counts against ``search.trials``. LOST (its worker died) and
+INTERRUPTED (the sweep was stopped) are not the trial's fault: the configuration runs
+again and the row stays in the history. RUNNING and WAITING are not ends but the states a
+row can show before one.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+class Outcome(str, enum.Enum):
+    """A trial's state as hpo shows it (status, CSV, charts)."""
+
+    COMPLETE = "COMPLETE"
+    FAIL = "FAIL"
+    PRUNED = "PRUNED"
+    STOPPED = "STOPPED"
+    TIMEOUT = "TIMEOUT"
+    LOST = "LOST"
+    INTERRUPTED = "INTERRUPTED"
+    RUNNING = "RUNNING"
+    WAITING = "WAITING"
+
+    @property
+    def ended(self) -> bool:
+        """Whether the trial is over (every member but RUNNING and WAITING)."""
+        return self not in (Outcome.RUNNING, Outcome.WAITING)
+
+    @property
+    def own(self) -> bool:
+        """Whether the trial ended on its own merits, so it counts against the budget."""
+        return self in OWN_OUTCOMES
+
+    @property
+    def run_again(self) -> bool:
+        """Whether the trial's configuration runs again (it did not fail on its own merits)."""
+        return self in (Outcome.LOST, Outcome.INTERRUPTED)
+
+    @property
+    def failed(self) -> bool:
+        """Whether the outcome is a failure of some kind (shown in red, counted as failed)."""
+        return self in (Outcome.FAIL, Outcome.TIMEOUT, Outcome.LOST)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OWN_OUTCOMES = frozenset({Outcome.COMPLETE, Outcome.FAIL, Outcome.PRUNED, Outcome.STOPPED, Outcome.TIMEOUT})
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """How one trial ended, as an executor judged it and as the store records it.
+
+    Args:
+        outcome: an ended :class:`Outcome`.
+        value: the objective; a finite number exactly when ``outcome`` is COMPLETE.
+        held_out: the held-out metrics that were reported (never seen by the optimizer).
+        duration_s: seconds the trial's processes ran.
+        reason: why it did not complete (``<cause>: <last error line>``); empty when COMPLETE.
+        step: the last step reported (pruned and stopped trials), if any.
+    """
+
+    outcome: Outcome
+    value: float | None = None
+    held_out: Mapping[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+    reason: str = ""
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.outcome.ended:
+            raise ValueError(f"a trial result needs an ended outcome, not {self.outcome}")
+        complete = self.outcome is Outcome.COMPLETE
+        if complete != (self.value is not None and math.isfinite(self.value)):
+            raise ValueError(f"{self.outcome} with value {self.value}: only COMPLETE has a finite value")
