@@ -1,26 +1,34 @@
 """The ``hpo`` command line: one explicit table of commands (see :data:`COMMANDS`).
 
 Every command takes the scenario file first. Exit codes: 0 ok, 2 bad input (scenario,
-CSV, template, arguments; one line on stderr, no traceback), 130 interrupted, 1 anything
-else.
+CSV, template, arguments; one line on stderr, no traceback), 130 SIGINT, 143 SIGTERM,
+1 anything else (``HPO_DEBUG=1`` shows its traceback).
+
+Environment: ``HPO_GPUS=0,1`` overrides the GPUs hpo detects (``HPO_GPUS=`` means none);
+trial processes see ``HPO_TRIAL_NUMBER``, ``HPO_TRIAL_DIR``, ``HPO_SLOT``, ``HPO_TRIAL_TOKEN``,
+``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``; ``HPO_DEBUG=1`` prints tracebacks.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
+from hpo import __version__
 from hpo.errors import InputError
 
-EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_INPUT = 0, 1, 2
+STATUS_ROWS = 20
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,128 +49,214 @@ class Context:
 
 def _context(args: argparse.Namespace) -> Context:
     from hpo.scenario import load_scenario
-    from hpo.store import storage_url
+    from hpo.storage import check_url, storage_url
 
     scenario = load_scenario(args.scenario)
     workdir = Path(args.workdir).resolve() if args.workdir else scenario.default_workdir()
-    return Context(scenario, workdir, storage_url(scenario, args.storage, workdir))
+    storage = storage_url(scenario, args.storage, workdir)
+    check_url(storage)
+    return Context(scenario, workdir, storage)
 
 
-def _load_study(ctx: Context) -> Any:
-    from hpo.store import open_study
+def _store(ctx: Context) -> Any:
+    from hpo.store import StudyStore
 
-    return open_study(ctx.scenario, ctx.storage, create=False)
+    return StudyStore(ctx.scenario, ctx.storage, create=False)
 
 
-def _slots(ctx: Context, parallel: int | None, gpus: str | None) -> tuple[Any, ...]:
+class _Signals:
+    """SIGINT and SIGTERM as a graceful stop: the first one calls ``stop(signum)``, a
+    second one only says that the stop is under way."""
+
+    def __init__(self, stop: Callable[[int], None]) -> None:
+        self.signum: int | None = None
+        self._stop = stop
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+            print(f"hpo: {signal.Signals(signum).name}: ending running trials (they run again on resume)...",
+                  file=sys.stderr, flush=True)
+            self._stop(signum)
+        else:
+            print("hpo: already stopping; running trials are being ended and recorded", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["_Signals"]:
+        """Handle the signals inside the block; the previous handlers come back after it."""
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def exit_code(self) -> int | None:
+        """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), or None."""
+        if self.signum is None:
+            return None
+        print("interrupted: running trials were recorded INTERRUPTED and queued again, trials claimed ahead went "
+              "back to the queue; run the same command to resume", file=sys.stderr, flush=True)
+        return 128 + self.signum
+
+
+def _plan(ctx: Context, at_least: int = 1, parallel: int | None = None, gpus: str | None = None) -> tuple[Any, ...]:
     from hpo.launch import detect_gpus, plan_slots
 
-    resources = ctx.scenario.resources
     updates: dict[str, Any] = {}
     if parallel is not None:
         updates["parallel"] = parallel
     if gpus is not None:
         updates["gpus"] = tuple(int(g) for g in gpus.split(",") if g.strip())
-    return plan_slots(resources.model_copy(update=updates), detect_gpus())
+    return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least)
 
 
-def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int) -> int:
-    from hpo.engine import Sweep, SweepConfig
+def describe_plan(slots: Sequence[Any]) -> str:
+    """``2 slots: 1 process on 1/2 of GPU 0, ...`` in one line."""
+    kinds = sorted({slot.describe() for slot in slots})
+    return f"{len(slots)} slot{'s' if len(slots) != 1 else ''}: {'; '.join(kinds)}"
+
+
+def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> Any:
+    from hpo.engine import SweepConfig
+
+    return SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, seed,
+                       allow_space_change=getattr(args, "allow_space_change", False))
+
+
+def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> int:
+    from hpo.engine import Sweep
     from hpo.progress import ProgressView
-    from hpo.store import trial_rows
 
-    sweep = Sweep(SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, seed))
+    sweep = Sweep(_sweep_config(ctx, slots, seed, args))
     sweep.prepare()
-    view = ProgressView(trial_rows(sweep.study), sweep.budget, ctx.scenario.objective.direction,
-                        ctx.scenario.objective.metric, len(slots))
-    with view:
-        sweep.run(view)
-    return EXIT_OK
+    signals = _Signals(lambda signum: sweep.stop())
+    with signals.installed():
+        with ProgressView(sweep.store, sweep.budget, describe_plan(slots)) as view:
+            sweep.run(view)
+    code = signals.exit_code()
+    return EXIT_OK if code is None else code
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the sweep to the end (resumable); ``--workers K`` runs K optimizer processes."""
+    """Run the sweep to the end (resumable); --workers K runs K optimizer processes."""
     ctx = _context(args)
+    slots = _plan(ctx, at_least=args.workers)
     if args.workers == 1:
-        return _run_sweep(ctx, _slots(ctx, None, None), ctx.scenario.search.seed)
-    return _run_workers(ctx, args.workers)
+        return _run_sweep(ctx, slots, ctx.scenario.search.seed, args)
+    return _run_workers(ctx, slots, args)
 
 
-def _run_workers(ctx: Context, workers: int) -> int:
-    """Start ``workers`` optimizer processes sharing the study; show their progress from the store."""
-    from hpo.engine import Sweep, SweepConfig
-    from hpo.progress import ProgressView, follow_study
-    from hpo.store import trial_rows
+def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace) -> int:
+    """Start ``--workers`` optimizer processes sharing the study and this machine's slots;
+    show their progress from the store."""
+    from hpo.engine import Sweep
+    from hpo.launch import die_with_parent
+    from hpo.progress import ProgressView, follow_store
 
-    slots = _slots(ctx, None, None)
-    sweep = Sweep(SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, ctx.scenario.search.seed))
+    workers = args.workers
+    sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()
-    shares = [slots[i::workers] for i in range(workers)]
+    ctx.workdir.mkdir(parents=True, exist_ok=True)
     procs = []
-    for index, share in enumerate(shares):
+    for index in range(workers):
+        share = slots[index::workers]
         argv = [sys.executable, "-m", "hpo", "worker", str(ctx.scenario.path), "--storage", ctx.storage,
                 "--workdir", str(ctx.workdir), "--seed", str(ctx.scenario.search.seed + index),
-                "--parallel", str(max(1, len(share)))]
-        gpus = [g for slot in share for g in slot.gpus]
-        if gpus:
-            argv += ["--gpus", ",".join(map(str, gpus))]
-        log = (ctx.workdir / f"worker-{index}.log").open("w")
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                "--slots", json.dumps([asdict(slot) for slot in share])]
+        if args.allow_space_change:
+            argv.append("--allow-space-change")
+        log = (ctx.workdir / f"worker-{index}.log").open("a")
+        log.write(f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: {describe_plan(share)}\n")
+        log.flush()
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=die_with_parent))
     print(f"started {workers} workers on {ctx.storage} (logs: {ctx.workdir}/worker-*.log)", flush=True)
-    view = ProgressView(trial_rows(sweep.study), sweep.budget, ctx.scenario.objective.direction,
-                        ctx.scenario.objective.metric, len(slots))
-    try:
-        with view:
-            follow_study(sweep.study, view, lambda: all(proc.poll() is not None for proc in procs))
-    except KeyboardInterrupt:
+
+    def forward(signum: int) -> None:
         for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            proc.wait()
-        raise
-    codes = [proc.wait() for proc in procs]
-    failed = [f"worker-{i}" for i, code in enumerate(codes) if code != 0]
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signals = _Signals(forward)
+    with signals.installed():
+        with ProgressView(sweep.store, sweep.budget, describe_plan(slots)) as view:
+            follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
+        codes = [proc.wait() for proc in procs]
+    code = signals.exit_code()
+    if code is not None:
+        return code
+    failed = [f"worker-{i} (exit {c})" for i, c in enumerate(codes) if c != 0]
     if failed:
-        print(f"{', '.join(failed)} ended with an error: see {ctx.workdir}/worker-*.log", file=sys.stderr)
-    return EXIT_OK if not failed else EXIT_ERROR
+        print(f"error: {', '.join(failed)} ended with an error: see {ctx.workdir}/worker-*.log", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
+    from hpo.launch import Slot
+
     ctx = _context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
-    return _run_sweep(ctx, _slots(ctx, args.parallel, args.gpus), seed)
+    if args.slots:
+        slots = tuple(Slot(**{**item, "gpus": tuple(item["gpus"])}) for item in json.loads(args.slots))
+    else:
+        slots = _plan(ctx, parallel=args.parallel, gpus=args.gpus)
+    return _run_sweep(ctx, slots, seed, args)
 
 
-def _print_status(ctx: Context, limit: int | None) -> None:
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the last trials (* marks the best) and a summary; --all prints every trial."""
     from rich.console import Console
     from rich.table import Table
 
-    from hpo.progress import format_params
-    from hpo.store import best_row, trial_rows
+    from hpo import designs
+    from hpo.progress import format_params, summary_line, tally
 
+    ctx = _context(args)
     scenario = ctx.scenario
-    rows = trial_rows(_load_study(ctx))
-    best = best_row(rows, scenario.objective.direction)
-    console = Console() if sys.stdout.isatty() else Console(width=240)
-    if limit != 0:
-        table = Table(title=f"{scenario.name}: {len(rows)} trials", title_justify="left")
-        names = [name for name, p in scenario.parameters.items() if p.type != "constant"]
-        for column in ("trial", "state", *names, scenario.objective.metric,
-                       *scenario.objective.held_out, "seconds", "reason"):
-            table.add_column(column, overflow="fold")
-        for row in rows[-limit:] if limit else rows:
-            mark = " *" if best is not None and row.number == best.number else ""
-            table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
-                          _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
-                          _number(row.duration_s, ".1f"), row.reason)
+    rows = _store(ctx).rows()
+    summary = tally(rows, designs.total_trials(scenario), scenario.objective.direction)
+    console = Console() if sys.stdout.isatty() else Console(width=400)
+    shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
+    names = _param_columns(scenario, rows, constants=False)
+    table = Table(title=f"{scenario.name}: trials {shown[0].number}-{shown[-1].number} of {len(rows)}"
+                  if shown else f"{scenario.name}: no trials yet", title_justify="left")
+    running = any(row.gpus for row in shown)
+    for column in ("trial", "state", *names, scenario.objective.metric, *scenario.objective.held_out, "seconds",
+                   *(["GPUs"] if running else []), "reason"):
+        table.add_column(column, overflow="fold")
+    best = summary.best
+    for row in shown:
+        mark = " *" if best is not None and row.number == best.number else ""
+        table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
+                      _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
+                      _number(row.duration_s, ".1f"), *([row.gpus] if running else []), _reason(row))
+    if shown:
         console.print(table)
-    if best is None:
-        console.print("best: no completed trial yet")
-    else:
-        held = " ".join(f"{k}={v:.4g}" for k, v in best.held_out.items())
-        console.print(f"best: trial {best.number} {scenario.objective.metric}={best.value:.4g} {held}"
-                      f"  ({format_params(best.params)})", highlight=False, soft_wrap=True)
+    console.print(summary_line(summary, scenario.objective.metric), highlight=False, soft_wrap=True)
+    if best is not None:
+        console.print(f"best params: {format_params(best.params)}", highlight=False, soft_wrap=True)
+    return EXIT_OK
+
+
+def _reason(row: Any) -> str:
+    """The row's reason, or which trial it runs again."""
+    if row.reason:
+        return row.reason
+    for label, number in (("re-run of", row.requeue_of), ("retry of", row.retry_of), ("rerun of", row.rerun_of)):
+        if number is not None:
+            return f"{label} #{number}"
+    return ""
+
+
+def _param_columns(scenario: Any, rows: Sequence[Any], constants: bool = True) -> list[str]:
+    """The scenario's parameters (constants too when ``constants``), then any that only
+    older trials have (a study resumed with --allow-space-change)."""
+    names = [n for n, p in scenario.parameters.items() if constants or p.type != "constant"]
+    extra = sorted({name for row in rows for name in row.params} - set(scenario.parameters))
+    return names + extra
 
 
 def _cell(value: Any) -> str:
@@ -175,25 +269,22 @@ def _number(value: float | None, fmt: str = ".4g") -> str:
     return "" if value is None else format(value, fmt)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """Print the table of trials (* marks the best) and the best so far."""
-    _print_status(_context(args), args.last)
-    return EXIT_OK
-
-
 def export_rows(ctx: Context, out: Any) -> int:
-    """Write the results CSV of DESIGN.md to ``out``; return the number of rows."""
-    from hpo.store import trial_rows
+    """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
+    configuration a row runs again); return the number of rows."""
+    from hpo.store import repeat_of
 
     scenario = ctx.scenario
-    rows = trial_rows(_load_study(ctx))
+    rows = _store(ctx).rows()
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
+    params = _param_columns(scenario, rows)
     writer = csv.writer(out)
-    writer.writerow(["number", "state", *scenario.parameters, metric, *held_out, "duration_s", "folder", "reason"])
+    writer.writerow(["number", "state", *params, metric, *held_out, "duration_s", "folder", "reason", "repeat_of"])
     for row in rows:
-        writer.writerow([row.number, row.state, *(row.params.get(p, "") for p in scenario.parameters),
+        repeat = repeat_of(row)
+        writer.writerow([row.number, row.state, *(row.params.get(p, "") for p in params),
                          _csv(row.value), *(_csv(row.held_out.get(h)) for h in held_out),
-                         _csv(row.duration_s), row.folder, row.reason])
+                         _csv(row.duration_s), row.folder, row.reason, "" if repeat is None else repeat])
     return len(rows)
 
 
@@ -202,13 +293,13 @@ def _csv(value: float | None) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write one row per trial, in trial-number order, to ``-o FILE`` (or stdout)."""
+    """Write one row per trial, in trial-number order, to -o FILE (or stdout)."""
     ctx = _context(args)
     if args.output in (None, "-"):
         export_rows(ctx, sys.stdout)
         return EXIT_OK
     target = Path(args.output)
-    if target.parent and not target.parent.exists():
+    if not target.parent.exists():
         raise InputError(f"-o: folder {target.parent} does not exist")
     with target.open("w", newline="") as handle:
         count = export_rows(ctx, handle)
@@ -217,36 +308,29 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Draw the study's charts as PNG files into ``-o DIR``."""
+    """Draw the study's charts as PNG files into -o DIR (default: <workdir>/plots)."""
     from hpo.plots import draw_all
 
     ctx = _context(args)
-    paths = draw_all(_load_study(ctx), ctx.scenario, Path(args.output))
-    for path in paths:
+    folder = Path(args.output) if args.output else ctx.workdir / "plots"
+    store = _store(ctx)
+    for path in draw_all(store.study, ctx.scenario, folder, rows=store.rows()):
         print(f"wrote {path}")
     return EXIT_OK
 
 
-def _find_trial(ctx: Context, number: int) -> Any:
-    from hpo.store import trial_rows
-
-    rows = [row for row in trial_rows(_load_study(ctx)) if row.number == number]
-    if not rows:
-        raise InputError(f"trial {number}: no such trial in study {ctx.scenario.name}")
-    return rows[0]
-
-
 def cmd_tail(args: argparse.Namespace) -> int:
-    """Follow trial N's log live, like ``tail -f``; ends when the trial ends."""
+    """Follow trial N's log live, like tail -f; ends when the trial ends."""
     from hpo.render import LOG_FILE, trial_folder
 
     ctx = _context(args)
-    study = _load_study(ctx)
-    row = _find_trial(ctx, args.trial)
+    store = _store(ctx)
+    row = next((r for r in store.rows([store.trial(args.trial)])), None)
+    assert row is not None
     log = Path(row.folder or trial_folder(ctx.workdir, args.trial)) / LOG_FILE
     deadline = time.monotonic() + 30
     while not log.exists():
-        if row.state != "RUNNING" or time.monotonic() > deadline:
+        if row.outcome.ended or time.monotonic() > deadline:
             raise InputError(f"trial {args.trial}: no log at {log}")
         time.sleep(0.2)
     with log.open("rb") as handle:
@@ -256,37 +340,29 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
                 continue
-            if not args.follow or _trial_state(study, args.trial) != "RUNNING":
-                rest = handle.read()
-                sys.stdout.buffer.write(rest)
+            if not args.follow or store.trial(args.trial).state.is_finished():
+                sys.stdout.buffer.write(handle.read())
                 sys.stdout.flush()
                 return EXIT_OK
             time.sleep(0.2)
 
 
-def _trial_state(study: Any, number: int) -> str:
-    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
-    return trial.state.name
-
-
 def cmd_stop(args: argparse.Namespace) -> int:
     """End trial N early; the worker running it records it as STOPPED."""
-    from hpo.engine import request_stop
-
     ctx = _context(args)
-    request_stop(_load_study(ctx), args.trial)
+    _store(ctx).request_stop(args.trial)
     print(f"asked the worker of trial {args.trial} to stop it")
     return EXIT_OK
 
 
 def cmd_best(args: argparse.Namespace) -> int:
-    """Print the best trial; ``--copy-to DIR`` copies its folder there."""
-    from hpo.store import best_row, trial_rows
+    """Print the best trial; --copy-to DIR copies its folder there."""
+    from hpo.store import best_row
 
     ctx = _context(args)
-    best = best_row(trial_rows(_load_study(ctx)), ctx.scenario.objective.direction)
+    best = best_row(_store(ctx).rows(), ctx.scenario.objective.direction)
     if best is None:
-        print("no completed trial yet")
+        print("no completed trial yet", file=sys.stderr)
         return EXIT_ERROR
     held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
@@ -303,20 +379,59 @@ def cmd_best(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Check the scenario, its design (CSV) and its templates without running anything."""
+    """Check the scenario, its design (CSV), templates and command without running anything."""
     from hpo import designs
     from hpo.engine import preflight
-    from hpo.launch import detect_gpus, plan_slots
     from hpo.render import Renderer
+    from hpo.storage import optuna_url
 
     ctx = _context(args)
     scenario = ctx.scenario
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
-    slots = plan_slots(scenario.resources, detect_gpus())
+    slots = _plan(ctx)
     preflight(Renderer(scenario), ctx.workdir, points)
     print(f"ok: {scenario.name}: {len(scenario.parameters)} parameters, method {scenario.search.method}, "
-          f"{budget} trials, {len(slots)} slots, store {ctx.storage}")
+          f"{budget} trials, {describe_plan(slots)}")
+    print(f"store: {optuna_url(ctx.storage)}")
+    return EXIT_OK
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    """Run trial N's configuration again as a new trial (rerun_of: N), e.g. to check that it
+    reproduces; --seed S changes its trial_seed. It does not count toward search.trials."""
+    from hpo.engine import Sweep
+
+    ctx = _context(args)
+    slots = _plan(ctx, parallel=1)
+    sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
+    sweep.prepare()
+    signals = _Signals(lambda signum: sweep.stop())
+    with signals.installed():
+        row, result = sweep.rerun(args.trial, args.seed)
+    code = signals.exit_code()
+    if code is not None:
+        return code
+    from hpo.progress import format_metrics
+
+    detail = format_metrics(result.value, ctx.scenario.objective.metric, result.held_out) or result.reason
+    print(f"trial {row.number} (rerun of {args.trial}) {result.outcome.value} in {result.duration_s:.1f} s: "
+          f"{detail}; folder {row.folder}")
+    return EXIT_OK if result.outcome.value == "COMPLETE" else EXIT_ERROR
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C ends it."""
+    try:
+        from optuna_dashboard import run_server
+    except ImportError:
+        raise InputError("hpo dashboard needs optuna-dashboard: pip install 'hpo[dashboard]'") from None
+    ctx = _context(args)
+    store = _store(ctx)
+    print(f"optuna-dashboard on http://{args.host}:{args.port}/dashboard/ (study {ctx.scenario.name}); "
+          "Ctrl-C ends it", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        run_server(store.optuna_storage, host=args.host, port=args.port)
     return EXIT_OK
 
 
@@ -337,14 +452,23 @@ def _trial_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trial", type=int, help="trial number")
 
 
+def _space_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-space-change", action="store_true",
+                        help="resume even if the scenario's search space differs from the study's")
+
+
 def _run_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=_positive, default=1, help="optimizer worker processes on this machine")
+    parser.add_argument("--workers", type=_positive, default=1,
+                        help="optimizer worker processes on this machine; they share its slots (parallel)")
+    _space_arg(parser)
 
 
 def _worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="this worker's seed (default: scenario seed + pid)")
     parser.add_argument("--parallel", type=_positive, help="task slots of this worker (default: the scenario's)")
     parser.add_argument("--gpus", help="GPU ids this worker may use, e.g. 0,1")
+    parser.add_argument("--slots", help=argparse.SUPPRESS)
+    _space_arg(parser)
 
 
 def _tail_args(parser: argparse.ArgumentParser) -> None:
@@ -353,7 +477,9 @@ def _tail_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _status_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--last", type=int, default=None, help="show only the last N trials")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--last", type=_positive, help=f"show the last N trials (default {STATUS_ROWS})")
+    group.add_argument("--all", action="store_true", help="show every trial")
 
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
@@ -361,11 +487,21 @@ def _export_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", default="plots", help="folder for the PNG files")
+    parser.add_argument("-o", "--output", help="folder for the PNG files (default: <workdir>/plots)")
 
 
 def _best_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-to", help="copy the best trial's folder to this new folder")
+
+
+def _rerun_args(parser: argparse.ArgumentParser) -> None:
+    _trial_arg(parser)
+    parser.add_argument("--seed", type=int, help="the rerun's trial_seed (default: the original trial's)")
+
+
+def _dashboard_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
 
 
 def _positive(text: str) -> int:
@@ -388,40 +524,67 @@ COMMANDS = (
     Command("plot", cmd_plot, _plot_args),
     Command("best", cmd_best, _best_args),
     Command("validate", cmd_validate, _no_args),
+    Command("rerun", cmd_rerun, _rerun_args),
+    Command("dashboard", cmd_dashboard, _dashboard_args),
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command in :data:`COMMANDS`."""
-    parser = _Parser(prog="hpo", description="Hyper-parameter optimization of PyTorch training scripts.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(prog="hpo", description="Hyper-parameter optimization of PyTorch training scripts.",
+                     epilog=(__doc__ or "").split("Environment: ")[-1].replace("``", ""),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hpo {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for command in COMMANDS:
-        child = sub.add_parser(command.name, help=(command.run.__doc__ or "").splitlines()[0],
-                               description=command.run.__doc__)
+        doc = (command.run.__doc__ or "").strip()
+        child = sub.add_parser(command.name, help=doc.splitlines()[0], description=doc)
         child.add_argument("scenario", help="the scenario YAML file")
-        child.add_argument("--storage", help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH)")
-        child.add_argument("--workdir", help="folder for trial folders and the default store")
+        child.add_argument("--storage", help="Optuna storage URL: sqlite:///PATH, postgresql://..., mysql://... "
+                                             "or journal:PATH (default: sqlite in the workdir)")
+        child.add_argument("--workdir", help="folder for trial folders and the default store "
+                                             "(default: runs/<name> beside the scenario)")
         command.arguments(child)
         child.set_defaults(handler=command.run)
     return parser
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _quiet_optuna() -> None:
+    """The command line speaks for itself: Optuna's info logs and API warnings stay out."""
+    import warnings
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpo`` console script; returns the exit code."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    from hpo.storage import StoreUnavailable
+
+    _quiet_optuna()
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
+        if getattr(args, "handler", None) is None:
+            parser.print_help(sys.stderr)
+            return EXIT_INPUT
         return int(args.handler(args))
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
+    except StoreUnavailable as exc:
+        print(f"error: {exc}; results of finished trials are kept in their folders and recorded on resume",
+              file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:
-        print("interrupted: running trials were ended and will be retried on resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + signal.SIGINT
     except Exception as exc:
         if os.environ.get("HPO_DEBUG"):
             raise

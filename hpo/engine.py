@@ -1,43 +1,45 @@
-"""The sweep: ask the store for a trial, render its folder, launch it, parse it, tell the store.
+"""The sweep: slots that claim a trial, run it on an executor and settle how it ended.
 
-Each task slot is a thread that loops ask → render → launch → parse → tell, so a slot that
-frees up takes the next trial at once (no batch barrier). Asking happens under the store's
-ask lock, where the budget (``search.trials`` for the whole study) is checked, so workers
-on any number of machines never run more. Every trial ends as a recorded value — COMPLETE,
-FAIL, PRUNED, or STOPPED / TIMEOUT with a reason — never as an exception that escapes the
-loop. A watchdog thread beats each running trial's heartbeat and picks up stop requests;
-trials whose worker died are failed, cleaned up and retried by :mod:`hpo.recovery`.
+Each task slot is a thread that loops claim → build → run → settle, so a slot that frees
+up takes the next trial at once (no batch barrier). The :class:`~hpo.scheduler.Scheduler`
+claims (budget, design queue, re-runs), an :class:`~hpo.executor.Executor` runs the trial
+(on this machine, or as a Dask task) and the :class:`~hpo.watchdog.Watchdog` beats
+heartbeats, passes on stop requests and re-runs the trials of workers that are gone.
+
+:meth:`Sweep.stop` (SIGINT, SIGTERM) ends the sweep gracefully: running trials are ended
+and recorded INTERRUPTED (their configuration queued again), trials claimed ahead go
+back to WAITING, and nothing stays RUNNING. Every trial ends as a recorded result, never
+as an exception that escapes the loop; only a store that stays down past
+``resources.store_retry`` stops the worker (:class:`~hpo.storage.StoreUnavailable`).
 """
 from __future__ import annotations
 
+import json
 import os
-import sys
 import threading
 import time
 import traceback
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
-
-import optuna
-from optuna.trial import FrozenTrial, Trial, TrialState
+from typing import Any, Mapping, Protocol, Sequence
 
 from hpo import designs, space
 from hpo.errors import InputError
-from hpo.launch import Slot, build_argv, run_process, trial_env
-from hpo.recovery import HOST, fail_stale_trials, retry
-from hpo.render import LOG_FILE, Renderer, trial_folder
-from hpo.results import MetricParser, judge
+from hpo.executor import Executor, LocalExecutor, TrialSpec
+from hpo.launch import Slot, build_argv, check_command, uses_torchrun
+from hpo.outcome import Outcome, TrialResult
+from hpo.recovery import recover_stale
+from hpo.render import LOG_FILE, PARAMS_FILE, Renderer, trial_folder, trial_seed
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
-from hpo.store import (RESULT_ATTR, RUN_ATTR, SYS_DESIGN_INDEX, SYS_HEARTBEAT, SYS_STOP, ask_lock,
-                       counted_trials, open_study)
+from hpo.scheduler import WAIT, Claim, Scheduler
+from hpo.spacecheck import space_change
+from hpo.storage import StoreUnavailable
+from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, TrialRow, scenario_text
+from hpo.watchdog import Watchdog
 
-WATCH_INTERVAL_S = 1.0
-_WAIT = object()
-optuna.logging.set_verbosity(optuna.logging.WARNING)
+CLAIM_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -46,21 +48,17 @@ class TrialStart:
 
     number: int
     params: Mapping[str, Any]
-    slot: int
+    slot: Slot
     folder: Path
 
 
 @dataclass(frozen=True)
 class TrialEnd:
-    """How a trial ended, as recorded in the store."""
+    """A trial that just ended, and how."""
 
     number: int
-    state: str
-    value: float | None
-    held_out: Mapping[str, float]
-    duration_s: float
-    reason: str
-    overhead_s: float = 0.0
+    params: Mapping[str, Any]
+    result: TrialResult
 
 
 class Observer(Protocol):
@@ -80,300 +78,302 @@ class SweepConfig:
     workdir: Path
     slots: tuple[Slot, ...]
     seed: int
-    worker: str = field(default_factory=lambda: f"{HOST}:{os.getpid()}")
+    allow_space_change: bool = False
 
 
-@dataclass
-class _Running:
-    trial: Trial
-    token: str
-    end_request: str | None = None
+def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
+    """The ``trial_seed`` trial ``number`` ran with: its params.json's, else the default."""
+    try:
+        return int(json.loads((folder / PARAMS_FILE).read_text())["trial_seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return trial_seed(study_seed, number)
 
 
 def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | None) -> None:
     """Render a trial's templates in memory (the first design point, or the middle of the
-    space); raise InputError for an undefined variable before any trial runs."""
+    space) and check the command; raise InputError for an undefined variable, a missing
+    program or script, before any trial runs."""
     scenario = renderer.scenario
     sample = design[0] if design else space.from_unit(
         scenario.parameters, [0.5] * len(space.free_parameters(scenario.parameters)))
     renderer.render_texts(0, trial_folder(workdir, 0), sample)
+    check_command(scenario.command, renderer.names)
+
+
+class _Running:
+    """A trial this worker claimed: started or not, and why it should end early, if it should."""
+
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+        self.started = False
+        self.end_request: str | None = None
 
 
 class Sweep:
     """Runs one worker's share of a study until the study's budget is spent."""
 
-    def __init__(self, config: SweepConfig) -> None:
+    def __init__(self, config: SweepConfig, executor: Executor | None = None) -> None:
         self.config = config
-        self._scenario = config.scenario
+        scenario = config.scenario
+        self._scenario = scenario
+        self._renderer = Renderer(scenario)
+        self._design = designs.design_points(scenario)
+        self.store = StudyStore(scenario, config.storage, sampler=make_sampler(scenario, config.seed),
+                                pruner=make_pruner(scenario), on_outage=self._say)
+        self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
+                                   config.seed)
+        self._executor = executor or LocalExecutor()
         self._observer: Observer | None = None
-        self._renderer = Renderer(self._scenario)
-        self._budget = designs.total_trials(self._scenario)
-        self._design = designs.design_points(self._scenario)
-        self._study = open_study(self._scenario, config.storage,
-                                 sampler=make_sampler(self._scenario, config.seed),
-                                 pruner=make_pruner(self._scenario))
         self._running: dict[int, _Running] = {}
         self._lock = threading.Lock()
-        self._interrupted = threading.Event()
-        self._done = threading.Event()
-
-    @property
-    def study(self) -> optuna.Study:
-        """The study this sweep asks and tells."""
-        return self._study
+        self._stopping = threading.Event()
+        self._fatal: BaseException | None = None
+        self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial)
 
     @property
     def budget(self) -> int:
         """Total trials of the study (all workers, all runs)."""
-        return self._budget
+        return self.scheduler.budget
+
+    def _say(self, message: str) -> None:
+        print(f"hpo: {message}", flush=True)
+
+    def _claimed(self) -> list[int]:
+        """The trials this worker's slots claimed (started or not)."""
+        with self._lock:
+            return list(self._running)
+
+    def _stop_trial(self, number: int) -> None:
+        """End trial ``number`` early: a user asked for it (``hpo stop``)."""
+        with self._lock:
+            running = self._running.get(number)
+            if running is not None and running.end_request is None:
+                running.end_request = "stopped"
 
     def prepare(self) -> None:
-        """Pre-flight, then fail the trials of workers that are gone."""
+        """Pre-flight the templates, check the space of a resumed study, record the
+        scenario on the study, and deal with the trials of workers that are gone."""
         preflight(self._renderer, self.config.workdir, self._design)
-        with ask_lock(self.config.storage):
-            self._fail_stale_trials()
+        store = self.store
+        with store.lock():
+            recorded = store.user_attrs.get(STUDY_PARAMETERS)
+            if recorded is not None and not self.config.allow_space_change:
+                change = space_change(recorded, space.describe(self._scenario.parameters))
+                if change is not None:
+                    raise InputError(f"{change}: the study {self._scenario.name} was run in another search space "
+                                     "(resume with --allow-space-change to accept it, or use a new name)")
+            store.describe(scenario_text(self._scenario.path))
+            recover_stale(store, self.config.workdir, self.scheduler.worker, ())
 
-    def _enqueue_next_point(self, trials: list[FrozenTrial]) -> None:
-        """Queue the design's next point, unless a retry already waits (call under the lock).
+    def stop(self) -> None:
+        """End running trials (they run again on resume) and claim no more."""
+        self._stopping.set()
 
-        Points are queued one at a time, each marked with its index, so the study holds few
-        unfinished trials and reading it stays cheap.
-        """
-        if self._design is None or any(t.state == TrialState.WAITING for t in trials):
-            return
-        index = 1 + max((int(t.system_attrs[SYS_DESIGN_INDEX]) for t in trials
-                         if SYS_DESIGN_INDEX in t.system_attrs), default=-1)
-        if index >= len(self._design):
-            return
-        point = self._design[index]
-        distributions = space.distributions(self._scenario.parameters)
-        self._study.add_trial(optuna.trial.create_trial(
-            state=TrialState.WAITING, params=point, distributions={k: distributions[k] for k in point},
-            system_attrs={"fixed_params": point, SYS_DESIGN_INDEX: index}))
-
-    def interrupt(self) -> None:
-        """End running trials (they are retried on resume) and stop asking for more."""
-        self._interrupted.set()
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (or the store stayed down)."""
+        return self._stopping.is_set()
 
     def run(self, observer: Observer | None = None) -> None:
-        """Run trials on every slot until the budget is spent or :meth:`interrupt` is called.
+        """Run trials on every slot until the budget is spent or :meth:`stop` is called.
 
-        Call :meth:`prepare` first.
+        Call :meth:`prepare` first. Raises :class:`StoreUnavailable` if the store stayed
+        down past ``resources.store_retry`` (the slots were stopped first).
         """
         self._observer = observer
-        watchdog = threading.Thread(target=self._watch, name="hpo-watchdog", daemon=True)
-        watchdog.start()
+        self.watchdog.start(self._on_fatal)
         slots = [threading.Thread(target=self._slot_loop, args=(slot,), name=f"hpo-slot-{slot.index}")
                  for slot in self.config.slots]
         for thread in slots:
             thread.start()
         try:
-            for thread in slots:
-                while thread.is_alive():
-                    thread.join(timeout=0.2)
-        except BaseException:
-            self.interrupt()
+            while any(thread.is_alive() for thread in slots):
+                self._stopping.wait(0.2)
+                for thread in slots:
+                    thread.join(timeout=0.05)
+        finally:
             for thread in slots:
                 thread.join()
-            raise
-        finally:
-            self._done.set()
-            watchdog.join(timeout=5)
+            self.watchdog.stop()
+            self._executor.close()
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _on_fatal(self, error: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = error
+        self.stop()
 
     def _slot_loop(self, slot: Slot) -> None:
-        """Run trials on ``slot`` until none is left.
+        """Run trials on ``slot`` until none is left; a store outage past its deadline stops
+        the whole sweep."""
+        try:
+            self._slot_trials(slot)
+        except StoreUnavailable as exc:
+            self._on_fatal(exc)
+        except Exception as exc:  # a bug of hpo's own: stop cleanly, say what it was
+            traceback.print_exc()
+            self._on_fatal(exc)
 
-        For designs (points known up front) the next trial is claimed while the current one
-        runs and a finished trial is recorded in the background, so the slot idles only for
-        a process start. Model-based methods claim after each result is told, so every
-        proposal sees every result.
-        """
+    def _slot_trials(self, slot: Slot) -> None:
+        """For designs (points known up front) the next trial is claimed while the current
+        one runs and a finished trial is settled in the background, so the slot idles only
+        for a process start. Model-based methods claim after each result is settled, so
+        every proposal sees every result."""
         books = ThreadPoolExecutor(1, thread_name_prefix=f"hpo-books-{slot.index}") if self._design else None
         claimed = self._next_claim()
-        idle_since = time.monotonic()
+        settled: Future[None] | None = None
         try:
             while claimed is not None:
+                if self._stopping.is_set():
+                    self._release(claimed)
+                    break
                 ahead = books.submit(self._claim) if books else None
-                end = self._execute(slot, *claimed)
-                now = time.monotonic()
-                end = replace(end, overhead_s=max(0.0, now - idle_since - end.duration_s))
-                idle_since = now
+                result = self._execute(slot, claimed)
                 if books is None or ahead is None:
-                    self._record(claimed[0], end)
+                    self._settle(claimed, result)
                     claimed = self._next_claim()
                     continue
-                recorded = books.submit(self._record, claimed[0], end)
-                claimed = ahead.result()
-                if claimed is None or claimed is _WAIT:
-                    recorded.result()
-                    claimed = self._next_claim()
+                settled = books.submit(self._settle, claimed, result)
+                following = ahead.result()
+                if following is None or following == WAIT or self._stopping.is_set():
+                    settled.result()
+                    if isinstance(following, Claim):
+                        self._release(following)
+                    following = self._next_claim()
+                claimed = following
         finally:
             if books:
                 books.shutdown(wait=True)
+            if settled is not None and settled.done() and settled.exception():
+                raise settled.exception()  # type: ignore[misc]
 
-    def _next_claim(self) -> tuple[Trial, dict[str, Any]] | None:
+    def _next_claim(self) -> Claim | None:
         """The next trial for a slot, waiting while other workers' last trials still run."""
-        while True:
+        while not self._stopping.is_set():
             claimed = self._claim()
-            if claimed is not _WAIT:
+            if isinstance(claimed, Claim):
                 return claimed
-            if self._interrupted.wait(WATCH_INTERVAL_S):
+            if claimed is None:
                 return None
+            self._stopping.wait(CLAIM_POLL_S)
+        return None
 
-    def _claim(self) -> Any:
-        """Ask for the next trial; None when the budget is spent and nothing else runs, or
-        :data:`_WAIT` while other workers' trials still run (they may fail and be retried)."""
-        with ask_lock(self.config.storage):
-            if self._interrupted.is_set():
+    def _claim(self) -> Claim | str | None:
+        store = self.store
+        with store.lock():
+            if self._stopping.is_set():
                 return None
-            trials = self._study.get_trials(deepcopy=False)
-            if counted_trials(trials) >= self._budget:
-                with self._lock:
-                    mine = set(self._running)
-                others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
-                return _WAIT if others else None
-            self._enqueue_next_point(trials)
-            trial = self._study.ask()
-            params = space.suggest(trial, self._scenario.parameters)
-            token = f"{self._scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
-            folder = trial_folder(self.config.workdir, trial.number)
-            trial.set_user_attr(RUN_ATTR, {"folder": str(folder), "worker": self.config.worker,
-                                           "host": HOST, "token": token, "worker_seed": self.config.seed})
             with self._lock:
-                self._running[trial.number] = _Running(trial, token)
-        return trial, params
+                mine = set(self._running)
+            claimed = self.scheduler.claim(mine)
+            if isinstance(claimed, Claim):
+                with self._lock:
+                    self._running[claimed.number] = _Running(claimed)
+        return claimed
 
-    def _beat(self, trial: Trial) -> None:
-        self._study._storage.set_trial_system_attr(trial._trial_id, SYS_HEARTBEAT, time.time())
-
-    def _execute(self, slot: Slot, trial: Trial, params: dict[str, Any]) -> TrialEnd:
-        """Render and run one trial and judge its outcome; records nothing but intermediate
-        values. Any error becomes a FAIL with its reason."""
-        number = trial.number
-        folder = trial_folder(self.config.workdir, number)
-        scenario = self._scenario
-        start = time.monotonic()
-        if self._interrupted.is_set():
-            return TrialEnd(number, "INTERRUPTED", None, {}, 0.0, "interrupted before it started")
+    def _release(self, claim: Claim) -> None:
         try:
-            processes = len(slot.gpus) or slot.processes
-            argv = build_argv(scenario.command, params, scenario.flags, processes,
-                              scenario.resources.uses_torchrun())
-            self._renderer.render(folder, number, params, argv)
-            if self._observer:
-                self._observer.started(TrialStart(number, params, slot.index, folder))
-            return self._launch(slot, trial, folder, argv)
-        except InputError as exc:
-            return TrialEnd(number, "FAIL", None, {}, time.monotonic() - start, str(exc))
-        except Exception as exc:
-            folder.mkdir(parents=True, exist_ok=True)
-            with (folder / LOG_FILE).open("a") as log:
-                log.write(traceback.format_exc())
-            return TrialEnd(number, "FAIL", None, {}, time.monotonic() - start,
-                            f"hpo error: {type(exc).__name__}: {exc}")
-
-    def _record(self, trial: Trial, end: TrialEnd) -> None:
-        """Tell the store how ``trial`` ended, then the observer. Never raises."""
-        try:
-            self._finish(trial, end)
-        except Exception as exc:  # the store is down: the trial goes stale and is retried
-            print(f"hpo: could not record trial {trial.number}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr, flush=True)
+            self.scheduler.release(claim)
         finally:
             with self._lock:
-                self._running.pop(trial.number, None)
-        if self._observer:
-            self._observer.finished(end)
+                self._running.pop(claim.number, None)
 
-    def _launch(self, slot: Slot, trial: Trial, folder: Path, argv: list[str]) -> TrialEnd:
+    def spec(self, slot: Slot, claim: Claim) -> TrialSpec:
+        """Everything the executor needs to run ``claim`` on ``slot``."""
         scenario = self._scenario
-        metric = scenario.objective.metric
-        parser = MetricParser(metric)
-        running = self._running[trial.number]
-        pruning = scenario.search.pruner != "none"
+        argv = build_argv(scenario, claim.params, slot.processes, uses_torchrun(scenario.resources, slot), claim.seed)
+        files = self._renderer.files(claim.number, claim.folder, claim.params, argv, claim.seed)
+        env = {**scenario.env, "HPO_TRIAL_NUMBER": str(claim.number)}
+        return TrialSpec(claim.number, claim.params, claim.folder, files, tuple(argv), env, slot, claim.token,
+                         scenario.resources.timeout, scenario.objective)
 
-        def on_line(line: str) -> None:
-            reported = parser.feed(line)
-            if reported is None or reported.step is None or metric not in reported.values:
-                return
-            trial.report(reported.values[metric], reported.step)
-            if pruning and trial.should_prune():
-                running.end_request = "pruned"
+    def _execute(self, slot: Slot, claim: Claim) -> TrialResult:
+        """Build and run one trial; any error of hpo's own becomes a FAIL with its reason."""
+        start = time.monotonic()
+        try:
+            spec = self.spec(slot, claim)
+        except InputError as exc:
+            return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc))
+        control = _Control(self, claim, slot)
+        try:
+            return self._executor.run(spec, control)
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            claim.folder.mkdir(parents=True, exist_ok=True)
+            with (claim.folder / LOG_FILE).open("a") as log:
+                log.write(traceback.format_exc())
+            return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start,
+                               reason=f"hpo error: {type(exc).__name__}: {exc}")
 
-        def should_end() -> str | None:
-            return "interrupted" if self._interrupted.is_set() else running.end_request
-
-        env = trial_env(slot, running.token, scenario.env)
-        env.update(HPO_TRIAL_NUMBER=str(trial.number), HPO_TRIAL_DIR=str(folder))
-        result = run_process(argv, folder, env, folder / LOG_FILE, scenario.resources.timeout,
-                             on_line, should_end)
-        metrics = parser.metrics()
-        verdict = judge(metrics, metric, scenario.objective.held_out, result.exit_code)
-        state, value, reason = verdict.state, verdict.value, verdict.reason
-        if result.ended_by == "timeout":
-            state, value, reason = "TIMEOUT", None, f"TIMEOUT: killed after {scenario.resources.timeout:g} s"
-        elif result.ended_by == "pruned":
-            step = metrics.intermediate[-1][0] if metrics.intermediate else 0
-            state, value, reason = "PRUNED", None, f"pruned at step {step}"
-        elif result.ended_by == "stopped":
-            state, value, reason = "STOPPED", None, "stopped by the user"
-        elif result.ended_by == "interrupted":
-            state, value, reason = "INTERRUPTED", None, "interrupted: the sweep was stopped"
-        elif result.ended_by is not None:
-            state, value, reason = "FAIL", None, result.ended_by
-        return TrialEnd(trial.number, state, value, verdict.held_out, result.duration_s, reason)
-
-    def _finish(self, trial: Trial, end: TrialEnd) -> None:
-        """Record ``end`` on the trial and tell the study; schedule a retry if one is due."""
-        outcome = end.state if end.state in ("TIMEOUT", "STOPPED", "INTERRUPTED") else None
-        trial.set_user_attr(RESULT_ATTR, {"held_out": dict(end.held_out), "duration_s": round(end.duration_s, 3),
-                                          "reason": end.reason, "outcome": outcome})
-        if end.state == "COMPLETE":
-            self._study.tell(trial, end.value)
-        elif end.state in ("PRUNED", "STOPPED"):
-            self._study.tell(trial, state=TrialState.PRUNED)
-        else:
-            self._study.tell(trial, state=TrialState.FAIL)
-            retry(self._study, self._study._storage.get_trial(trial._trial_id),
-                  self._scenario.search.retry_failed, always=end.state == "INTERRUPTED")
-
-    def _fail_stale_trials(self) -> None:
-        """Fail other workers' trials whose worker is gone (call under the ask lock)."""
-        fail_stale_trials(self._study, self._scenario.resources.heartbeat, self._scenario.search.retry_failed,
-                          mine=set(self._running))
-
-    def _watch(self) -> None:
-        """Beat the heartbeat of this worker's trials; pass on stop requests from the store."""
-        storage = self._study._storage
-        last_beat = time.monotonic()
-        while not self._done.wait(WATCH_INTERVAL_S):
+    def rerun(self, number: int, seed: int | None = None) -> tuple[TrialRow, TrialResult]:
+        """Run trial ``number``'s configuration again as a new trial on the first slot
+        (``hpo rerun``); ``seed`` is its ``trial_seed`` (default: the original's)."""
+        store = self.store
+        original = store.rows([store.trial(number)])[0]
+        if not original.params or original.outcome is Outcome.WAITING:
+            raise InputError(f"trial {number}: it has no configuration to run again yet")
+        if seed is None:
+            seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
+        with store.lock():
+            claim = self.scheduler.claim_rerun(original, seed)
             with self._lock:
-                running = list(self._running.values())
-            beat = time.monotonic() - last_beat >= self._scenario.resources.heartbeat
-            for item in running:
-                try:
-                    if storage.get_trial(item.trial._trial_id).system_attrs.get(SYS_STOP):
-                        item.end_request = item.end_request or "stopped"
-                    if beat:
-                        self._beat(item.trial)
-                except Exception:  # the trial just finished, or the store blinked: next round
-                    continue
-            if beat:
-                last_beat = time.monotonic()
-                try:
-                    with ask_lock(self.config.storage):
-                        self._fail_stale_trials()
-                except Exception:  # the store blinked: next round
-                    continue
+                self._running[claim.number] = _Running(claim)
+        self.watchdog.start(self._on_fatal)
+        try:
+            result = self._execute(self.config.slots[0], claim)
+            self._settle(claim, result)
+        finally:
+            self.watchdog.stop()
+        if self._fatal is not None:
+            raise self._fatal
+        return store.rows([store.trial(claim.number)])[0], result
+
+    def _settle(self, claim: Claim, result: TrialResult) -> None:
+        """Record how ``claim`` ended, then tell the observer."""
+        try:
+            if not self.scheduler.settle(claim, result):
+                self._say(f"trial {claim.number} had been judged lost by another worker; its result stays in "
+                          f"{claim.folder}")
+        finally:
+            with self._lock:
+                self._running.pop(claim.number, None)
+        if self._observer:
+            self._observer.finished(TrialEnd(claim.number, claim.params, result))
 
 
-def request_stop(study: optuna.Study, number: int) -> FrozenTrial:
-    """Ask whichever worker runs trial ``number`` to end it; InputError if it is not running."""
-    trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
-    if not trials:
-        raise InputError(f"trial {number}: no such trial in study {study.study_name}")
-    trial = trials[0]
-    if trial.state != TrialState.RUNNING:
-        raise InputError(f"trial {number}: it is {trial.state.name}, not running")
-    study._storage.set_trial_system_attr(trial._trial_id, SYS_STOP, time.time())
-    return trial
+class _Control:
+    """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`)."""
+
+    def __init__(self, sweep: Sweep, claim: Claim, slot: Slot) -> None:
+        self._sweep = sweep
+        self._claim = claim
+        self._slot = slot
+        self._pruning = sweep.config.scenario.search.pruner != "none"
+
+    def _running(self) -> _Running | None:
+        with self._sweep._lock:
+            return self._sweep._running.get(self._claim.number)
+
+    def started(self, gpus: Sequence[int]) -> None:
+        claim = self._claim
+        self._sweep.store.set_system(claim.number, SYS_STARTED, {
+            "slot": self._slot.index, "gpus": ",".join(map(str, gpus)), "folder": str(claim.folder),
+            "pid": os.getpid()})
+        running = self._running()
+        if running is not None:
+            running.started = True
+        if self._sweep._observer:
+            self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot, claim.folder))
+
+    def intermediate(self, step: int, value: float) -> bool:
+        call = self._sweep.store.call
+        call(self._claim.trial.report, value, step)
+        return self._pruning and bool(call(self._claim.trial.should_prune))
+
+    def end_request(self) -> str | None:
+        if self._sweep._stopping.is_set():
+            return "interrupted"
+        running = self._running()
+        return running.end_request if running is not None else None

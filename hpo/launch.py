@@ -1,7 +1,8 @@
 """Launching trials: task slots, their GPUs, the argument list, and the process itself.
 
-Each of ``resources.parallel`` slots owns ``gpus_per_trial`` GPUs (exported as
-``CUDA_VISIBLE_DEVICES``); without GPUs a slot runs ``gpus_per_trial`` CPU processes. A
+Each of ``resources.parallel`` slots owns ``gpus_per_trial`` GPUs, or a share of one
+(exported as ``CUDA_VISIBLE_DEVICES``); without GPUs a slot runs CPU processes. Threads are
+divided among all the slots of the machine, whichever worker process owns them. A
 trial's command is an argument list, never a shell string; under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
 runs in its own session; on timeout, stop or interrupt the whole tree is killed, and every
@@ -10,7 +11,9 @@ process carries ``HPO_TRIAL_TOKEN`` so that orphans of a killed sweep can be fou
 from __future__ import annotations
 
 import ctypes
+import difflib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import psutil
 
 from hpo.errors import InputError
-from hpo.scenario import Resources
+from hpo.scenario import Resources, Scenario
 
 TOKEN_ENV = "HPO_TRIAL_TOKEN"
 GPU_ENV = "HPO_GPUS"
@@ -34,12 +37,26 @@ POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Slot:
-    """A task slot: its GPUs (empty on CPU), processes per trial, threads per process."""
+    """A task slot: its GPUs (empty on CPU), processes per trial, threads per process.
+
+    ``share`` is how many slots share each of ``gpus`` (a fraction ``1/share`` of a GPU).
+    """
 
     index: int
     gpus: tuple[int, ...]
     processes: int
     threads: int
+    share: int = 1
+
+    def describe(self) -> str:
+        """``2 processes on GPUs 0,1`` / ``1 process on 1/4 of GPU 0`` / ``2 CPU processes``."""
+        what = _plural(self.processes, "process")
+        if not self.gpus:
+            return f"{_plural(self.processes, 'CPU process')} of {_plural(self.threads, 'thread')}"
+        ids = ",".join(map(str, self.gpus))
+        if self.share > 1:
+            return f"{what} on 1/{self.share} of GPU {ids}"
+        return f"{what} on GPU{'s' if len(self.gpus) > 1 else ''} {ids}"
 
 
 def detect_gpus() -> tuple[int, ...]:
@@ -55,37 +72,135 @@ def detect_gpus() -> tuple[int, ...]:
     return tuple(int(line) for line in out.split() if line.strip().isdigit())
 
 
-def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None = None) -> tuple[Slot, ...]:
-    """Split the GPUs (``resources.gpus`` or those detected) between the task slots."""
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{('es' if word.endswith('s') else 's') if count != 1 else ''}"
+
+
+def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None = None,
+               at_least: int = 1) -> tuple[Slot, ...]:
+    """The machine's task slots: GPUs (``resources.gpus`` or those detected), processes and
+    threads divided among all of them.
+
+    ``at_least`` slots are planned even where ``parallel`` asks for fewer (``--workers K``
+    gives each worker a slot); an InputError names the setting that cannot be met.
+    """
     ids = tuple(resources.gpus) if resources.gpus is not None else tuple(gpus)
-    per_trial = resources.gpus_per_trial
+    cpus = cpu_count or os.cpu_count() or 1
+    wanted = resources.parallel
+    share = resources.share
     if ids:
+        if share > 1:
+            per_trial, processes = 1, 1
+        elif resources.gpus_per_trial == "auto":
+            per_trial = min(resources.processes_per_trial or 1, len(ids))
+            processes = per_trial
+        else:
+            per_trial = processes = int(resources.gpus_per_trial)
         if len(ids) < per_trial:
             raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but this machine has "
-                             f"{len(ids)} GPU{'s' if len(ids) != 1 else ''}")
-        count = min(resources.parallel, len(ids) // per_trial)
-        return tuple(Slot(i, ids[i * per_trial:(i + 1) * per_trial], per_trial, 1) for i in range(count))
-    cpus = cpu_count or os.cpu_count() or 1
-    threads = max(1, cpus // (resources.parallel * per_trial))
-    return tuple(Slot(i, (), per_trial, threads) for i in range(resources.parallel))
+                             f"{_plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
+        room = len(ids) // per_trial * share
+        count = room if wanted == "auto" else min(max(wanted, at_least), room)
+        if count < at_least:
+            raise InputError(f"--workers {at_least}: this machine runs {_plural(room, 'trial')} at a time "
+                             f"({_plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
+                             "a fraction such as 0.5 shares GPUs")
+        groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(len(ids) // per_trial)]
+        assigned = [groups[i % len(groups)] for i in range(count)]
+    else:
+        if isinstance(resources.gpus_per_trial, int) and resources.processes_per_trial is None:
+            processes = resources.gpus_per_trial
+        else:
+            processes = resources.processes_per_trial or 1
+        count = max(1, cpus // processes) if wanted == "auto" else max(wanted, at_least)
+        assigned = [()] * count
+    threads = max(1, cpus // (count * processes))
+    return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
 
 
-def build_argv(command: Sequence[str], params: Mapping[str, Any], flags: bool,
-               processes: int, torchrun: bool) -> list[str]:
-    """The trial's argument list: ``python`` is this interpreter; flags append ``--name value``."""
+def uses_torchrun(resources: Resources, slot: Slot) -> bool:
+    """Whether the slot's trials run under torchrun (``auto``: when a trial has several processes)."""
+    return slot.processes > 1 if resources.torchrun == "auto" else bool(resources.torchrun)
+
+
+def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = None) -> list[str]:
+    """The command-line flags of a trial's values.
+
+    Every active parameter is passed when ``flags: true``, and a parameter with its own
+    ``flag`` always; its flag is that ``flag`` or the name in ``flag_style`` (``--name value``,
+    ``--name=value`` or ``-name value``). A bool is a switch: present when true, absent
+    when false. With ``seed_flag`` set, ``seed`` (the trial's seed) is passed under it.
+    """
+    style = scenario.flag_style
+    prefix = "-" if style == "-name" else "--"
+    joined = style == "--name=value"
+    out: list[str] = []
+
+    def add(flag: str, value: Any) -> None:
+        if isinstance(value, bool):
+            out.extend([flag] if value else [])
+        else:
+            out.extend([f"{flag}={value}"] if joined else [flag, str(value)])
+
+    for name, value in values.items():
+        param = scenario.parameters.get(name)
+        if param is not None and (scenario.flags or param.flag):
+            add(param.flag or f"{prefix}{name}", value)
+    if scenario.seed_flag and seed is not None:
+        add(scenario.seed_flag, seed)
+    return out
+
+
+def check_command(command: Sequence[str], files: Sequence[str]) -> None:
+    """Raise InputError naming ``command`` unless its program exists (``python`` is this
+    interpreter; a relative path must be a file of the trial folder) and a script it runs
+    (the first ``.py`` argument, or what ``python`` runs) is a file of the trial folder or
+    an existing path. ``files`` are the trial folder's files before the run."""
+    program = command[0]
+    if Path(program).name not in PYTHON_NAMES and not _exists(program, files) and not shutil.which(program):
+        raise InputError(f"command: program {program} not found (not on PATH, not a file of the trial folder)")
+    if Path(program).name in PYTHON_NAMES:
+        script = ""
+        for arg in command[1:]:
+            if arg in ("-m", "-c"):
+                return
+            if not arg.startswith("-"):
+                script = arg
+                break
+    else:
+        script = next((arg for arg in command[1:] if arg.endswith(".py")), "")
+    if script and not _exists(script, files):
+        close = difflib.get_close_matches(script, list(files), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else f" (the trial folder holds {', '.join(files) or 'no file'})"
+        raise InputError(f"command: {script} is neither a file of the trial folder nor an existing path{hint}")
+
+
+def _exists(path: str, files: Sequence[str]) -> bool:
+    """Whether ``path`` is one of the trial folder's ``files`` or an existing absolute path."""
+    return os.path.normpath(path) in files or (Path(path).is_absolute() and Path(path).exists())
+
+
+def this_python(command: Sequence[str]) -> list[str]:
+    """``command`` as a list, ``python`` (``python3``, a path to one) replaced by this interpreter."""
     argv = list(command)
     if Path(argv[0]).name in PYTHON_NAMES:
         argv[0] = sys.executable
-    if flags:
-        for name, value in params.items():
-            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def build_argv(scenario: Scenario, values: Mapping[str, Any], processes: int, torchrun: bool,
+               seed: int | None = None) -> list[str]:
+    """The trial's argument list: ``python`` is this interpreter, then the command's own
+    arguments and the flags (:func:`flag_args`); under torchrun with ``processes`` ranks."""
+    argv = this_python(scenario.command) + flag_args(scenario, values, seed)
     if torchrun:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(processes), "--no-python", *argv]
     return argv
 
 
-def trial_env(slot: Slot, token: str, extra: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial's processes on ``slot``."""
     env = dict(os.environ if base is None else base)
     env.update(extra)
@@ -105,8 +220,8 @@ class ProcessResult:
     pid: int
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launching thread's process dies (Linux)."""
+def die_with_parent() -> None:
+    """In a child process: get SIGTERM when the thread that started it dies (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except OSError:
@@ -185,7 +300,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         try:
             proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)
         except OSError as exc:
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from hpo.errors import InputError  # noqa: E402
 from hpo.scenario import Scenario  # noqa: E402
-from hpo.store import TrialRow, trial_rows  # noqa: E402
+from hpo.store import TrialRow  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,10 @@ def _optuna_chart(draw: Callable[..., Any], study: Any, path: Path, **kwargs: An
     return path
 
 
-def draw_all(study: Any, scenario: Scenario, folder: Path) -> list[Path]:
-    """Draw every chart that the study's trials allow into ``folder``; return the files."""
+def draw_all(study: Any, scenario: Scenario, folder: Path, rows: list[TrialRow]) -> list[Path]:
+    """Draw every chart that the study's trials (``rows``) allow into ``folder``; return the files."""
     from optuna.visualization import matplotlib as ov
 
-    rows = trial_rows(study)
     if not rows:
         raise InputError(f"study {scenario.name} has no trials to plot yet")
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,16 @@
 """The sweep's progress: a live Rich view on a terminal, one plain line per event otherwise.
 
-Shows trials done / running / failed / pruned of the total, the ETA, the best objective so
-far with its held-out metrics, and the running trials with their elapsed time.
+Counters are the store's truth: :func:`tally` counts the study's rows by outcome, whoever
+ran them, so the head line and the closing summary add up with several workers on one
+study. Trial events (started, ended) come from this worker's slots, or, when watching
+workers in other processes, from :func:`follow_store`.
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -16,10 +19,13 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.engine import Observer, TrialEnd, TrialStart
-from hpo.store import TrialRow, best_row, trial_rows
+from hpo.launch import Slot
+from hpo.outcome import Outcome, TrialResult
+from hpo.scheduler import budget_used
+from hpo.store import StudyStore, TrialRow, best_row
 
-FAILED_STATES = ("FAIL", "TIMEOUT", "INTERRUPTED", "LOST")
-PRUNED_STATES = ("PRUNED", "STOPPED")
+POLL_S = 2.0
+FAILURES_SHOWN = 3
 
 
 def format_params(params: Mapping[str, Any]) -> str:
@@ -33,129 +39,182 @@ def format_metrics(value: float | None, metric: str, held_out: Mapping[str, floa
     return " ".join(parts + [f"{k}={v:.4g}" for k, v in held_out.items()])
 
 
-@dataclass
-class _Tally:
-    total: int
-    direction: str
-    metric: str
-    counts: dict[str, int] = field(default_factory=dict)
-    running: dict[int, tuple[TrialStart, float]] = field(default_factory=dict)
-    best: TrialRow | None = None
-    durations: list[float] = field(default_factory=list)
+@dataclass(frozen=True)
+class Tally:
+    """The study at a glance, from its rows."""
+
+    budget: int
+    done: int
+    counts: Mapping[Outcome, int]
+    best: TrialRow | None
+    running: tuple[TrialRow, ...]
+    failures: tuple[TrialRow, ...]
+    mean_duration_s: float | None
+
+
+def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
+    """Count ``rows`` by outcome; ``done`` is what used the budget and ended."""
+    durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
+    failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
+    in_flight = sum(1 for r in rows if not r.outcome.ended and r.rerun_of is None)
+    return Tally(budget=budget, done=budget_used(rows) - in_flight, counts=Counter(r.outcome for r in rows),
+                 best=best_row(rows, direction), running=tuple(r for r in rows if r.outcome is Outcome.RUNNING),
+                 failures=tuple(failed[-FAILURES_SHOWN:]),
+                 mean_duration_s=sum(durations) / len(durations) if durations else None)
+
+
+def summary_line(t: Tally, metric: str) -> str:
+    """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``."""
+    own = [o for o in Outcome if o.own and t.counts.get(o)]
+    parts = [f"{t.counts[o]} {o.value.lower()}" for o in own]
+    again = [f"{t.counts[o]} {o.value.lower()}" for o in (Outcome.LOST, Outcome.INTERRUPTED) if t.counts.get(o)]
+    pending = [f"{t.counts[o]} {o.value.lower()}" for o in (Outcome.RUNNING, Outcome.WAITING) if t.counts.get(o)]
+    text = f"{t.done}/{t.budget} trials done" + (f": {', '.join(parts)}" if parts else "")
+    if pending:
+        text += f"; {', '.join(pending)}"
+    if again:
+        text += f"; also {', '.join(again)} (not their fault: run again)"
+    return text + "." + best_text(t.best, metric)
+
+
+def best_text(best: TrialRow | None, metric: str) -> str:
+    """``  best #3 val_error=0.05 test_error=0.06`` or ''."""
+    return "" if best is None else f"  best #{best.number} {format_metrics(best.value, metric, best.held_out)}"
 
 
 class ProgressView:
-    """An :class:`hpo.engine.Observer` that shows the sweep to a person."""
+    """An :class:`hpo.engine.Observer` that shows the sweep to a person.
 
-    def __init__(self, rows: list[TrialRow], total: int, direction: str, metric: str, slots: int,
-                 console: Console | None = None) -> None:
-        self._console = console or Console()
-        self._slots = max(1, slots)
-        self._tally = _Tally(total=total, direction=direction, metric=metric)
-        for row in rows:
-            self._count(row.state)
-        self._tally.best = best_row(rows, direction)
+    Args:
+        store: the study store; its rows are read every ``POLL_S`` seconds for the counters.
+        budget: ``search.trials``.
+        slots: how this worker's slots run trials, in words (e.g. ``1 slot: 2 CPU processes``).
+        console: where to print (a terminal gets the live view).
+    """
+
+    def __init__(self, store: StudyStore, budget: int, slots: str, console: Console | None = None) -> None:
+        self._store = store
+        self._console = console or Console(soft_wrap=True)
+        self._budget = budget
+        self._slots = slots
+        self._objective = store.scenario.objective
+        self._tally = self._read()
         self._lock = threading.Lock()
+        self._started: dict[int, float] = {}
         self._live: Live | None = None
+        self._done = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="hpo-progress", daemon=True)
 
-    def _count(self, state: str) -> None:
-        self._tally.counts[state] = self._tally.counts.get(state, 0) + 1
+    def _read(self) -> Tally:
+        return tally(self._store.rows(), self._budget, self._objective.direction)
+
+    def _poll(self) -> None:
+        while not self._done.wait(POLL_S):
+            try:
+                fresh = self._read()
+            except Exception:  # the store blinked; the sweep itself reports outages
+                continue
+            with self._lock:
+                self._tally = fresh
 
     def __enter__(self) -> "ProgressView":
+        self._poller.start()
         if self._console.is_terminal:
             self._live = Live(self._render(), console=self._console, refresh_per_second=2,
                               get_renderable=self._render, transient=False)
             self._live.__enter__()
         else:
-            self._console.print(f"sweep: {self._finished()} of {self._tally.total} trials already finished", soft_wrap=True)
+            self._print(f"sweep {self._store.scenario.name}: {self._tally.done} of {self._budget} trials done "
+                        f"before this run; {self._slots}")
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._done.set()
         if self._live is not None:
             self._live.__exit__(None, None, None)
-        self._console.print(self.summary())
+        try:
+            final = self._read()
+        except Exception:
+            final = self._tally
+        self._print(summary_line(final, self._objective.metric))
+
+    def _print(self, text: str) -> None:
+        self._console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def started(self, start: TrialStart) -> None:
+        """See :class:`hpo.engine.Observer`."""
         with self._lock:
-            self._tally.running[start.number] = (start, time.monotonic())
+            self._started[start.number] = time.monotonic()
         if self._live is None:
-            where = f" on slot {start.slot}" if start.slot >= 0 else ""
-            self._console.print(f"trial {start.number} started{where}: {format_params(start.params)}",
-                                highlight=False, markup=False, soft_wrap=True)
+            where = f" on slot {start.slot.index} ({start.slot.describe()})" if start.slot.index >= 0 else ""
+            self._print(f"trial {start.number} started{where}: {format_params(start.params)}")
 
     def finished(self, end: TrialEnd) -> None:
+        """See :class:`hpo.engine.Observer`."""
         with self._lock:
-            self._tally.running.pop(end.number, None)
-            self._count(end.state)
-            self._tally.durations.append(end.duration_s)
-            if end.value is not None:
-                row = TrialRow(end.number, end.state, {}, end.value, end.held_out, end.duration_s, "", "")
-                self._tally.best = best_row([r for r in (self._tally.best, row) if r], self._tally.direction)
+            self._started.pop(end.number, None)
         if self._live is None:
-            detail = format_metrics(end.value, self._tally.metric, end.held_out) or end.reason
-            self._console.print(f"trial {end.number} {end.state} in {end.duration_s:.1f} s: {detail}  "
-                                f"[{self._finished()}/{self._tally.total}]{self._best_text()}",
-                                highlight=False, markup=False, soft_wrap=True)
+            result = end.result
+            if result.outcome is Outcome.COMPLETE:
+                detail = format_metrics(result.value, self._objective.metric, result.held_out)
+            else:
+                detail = result.reason
+            self._print(f"trial {end.number} {result.outcome.value} in {result.duration_s:.1f} s: {detail}")
 
-    def _finished(self) -> int:
-        return sum(n for state, n in self._tally.counts.items() if state not in ("RUNNING", "INTERRUPTED"))
-
-    def _best_text(self) -> str:
-        best = self._tally.best
-        if best is None:
-            return ""
-        return f"  best #{best.number} {format_metrics(best.value, self._tally.metric, best.held_out)}"
-
-    def _eta(self) -> str:
-        durations = self._tally.durations
-        left = self._tally.total - self._finished()
-        if not durations or left <= 0:
+    def _eta(self, t: Tally) -> str:
+        left = t.budget - t.done
+        if t.mean_duration_s is None or left <= 0:
             return "-"
-        seconds = sum(durations) / len(durations) * left / self._slots
-        return time.strftime("%H:%M:%S", time.gmtime(seconds))
-
-    def summary(self) -> str:
-        """A one-line account of the study: counts by state and the best trial."""
-        counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(self._tally.counts.items()))
-        return f"{self._finished()}/{self._tally.total} trials finished ({counts or 'none'}).{self._best_text()}"
+        parallel = max(1, len(t.running))
+        return time.strftime("%H:%M:%S", time.gmtime(t.mean_duration_s * left / parallel))
 
     def _render(self) -> Group:
         with self._lock:
-            counts = self._tally.counts
-            failed = sum(counts.get(s, 0) for s in FAILED_STATES)
-            pruned = sum(counts.get(s, 0) for s in PRUNED_STATES)
-            head = (f"[bold]{self._finished()}/{self._tally.total}[/] done  "
-                    f"[green]{counts.get('COMPLETE', 0)} complete[/]  [red]{failed} failed[/]  "
-                    f"[yellow]{pruned} pruned/stopped[/]  {len(self._tally.running)} running  "
-                    f"ETA {self._eta()}")
-            table = Table(box=None, pad_edge=False)
-            for column in ("trial", "slot", "elapsed", "parameters"):
-                table.add_column(column)
-            now = time.monotonic()
-            for number, (start, since) in sorted(self._tally.running.items()):
-                table.add_row(str(number), str(start.slot), f"{now - since:.0f} s", format_params(start.params))
-            best = self._best_text().strip() or "best: none yet"
-        return Group(head, best, table)
+            t = self._tally
+            since = dict(self._started)
+        counts = t.counts
+        failed = counts.get(Outcome.FAIL, 0) + counts.get(Outcome.TIMEOUT, 0)
+        stopped = counts.get(Outcome.PRUNED, 0) + counts.get(Outcome.STOPPED, 0)
+        again = counts.get(Outcome.LOST, 0) + counts.get(Outcome.INTERRUPTED, 0)
+        head = (f"[bold]{t.done}/{t.budget}[/] done  [green]{counts.get(Outcome.COMPLETE, 0)} complete[/]  "
+                f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
+                f"{counts.get(Outcome.WAITING, 0)} waiting  [dim]{again} lost/interrupted (run again)[/]  "
+                f"ETA {self._eta(t)}")
+        best = best_text(t.best, self._objective.metric).strip() or "best: none yet"
+        table = Table(box=None, pad_edge=False)
+        for column in ("trial", "slot", "GPUs", "elapsed", "parameters"):
+            table.add_column(column)
+        now = time.monotonic()
+        for row in t.running:
+            elapsed = f"{now - since[row.number]:.0f} s" if row.number in since else ""
+            table.add_row(str(row.number), "" if row.slot is None else str(row.slot), row.gpus or "-", elapsed,
+                          format_params(row.params))
+        parts: list[Any] = [head, best, table]
+        if t.failures:
+            parts.append("[red]last failures:[/]")
+            parts += [f"  #{r.number} {r.state}: {r.reason}" for r in t.failures]
+        return Group(*parts)
 
 
-def follow_study(study: Any, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:
+def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:
     """Turn what the store shows into observer events until ``finished()`` (then once more).
 
     For watching workers in other processes: a trial seen RUNNING is ``started``, a trial
     seen ended is ``finished``; each event is sent once.
     """
     started: set[int] = set()
-    ended: set[int] = {row.number for row in trial_rows(study) if row.state != "RUNNING"}
+    ended: set[int] = {row.number for row in store.rows() if row.outcome.ended}
     while True:
         done = finished()
-        for row in trial_rows(study):
-            if row.number not in started and row.number not in ended:
+        for row in store.rows():
+            if row.outcome is Outcome.RUNNING and row.number not in started:
                 started.add(row.number)
-                observer.started(TrialStart(row.number, row.params, -1, Path(row.folder)))
-            if row.state != "RUNNING" and row.number not in ended:
+                slot = Slot(row.slot if row.slot is not None else -1, (), 1, 1)
+                observer.started(TrialStart(row.number, row.params, slot, Path(row.folder)))
+            if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
-                observer.finished(TrialEnd(row.number, row.state, row.value, row.held_out,
-                                           row.duration_s or 0.0, row.reason))
+                result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)
+                observer.finished(TrialEnd(row.number, row.params, result))
         if done:
             return
         time.sleep(every_s)

@@ -1,75 +1,98 @@
-"""Fault tolerance: trials whose worker is gone are found, failed, cleaned up and retried.
+"""Trials whose worker is gone: found, cleaned up, and run again or recorded from their folder.
 
-A running trial is stale when its worker is gone: the worker's process no longer exists on
-this host, or the trial's heartbeat (beaten by its worker's watchdog) stopped for
-``STALE_AFTER_BEATS`` intervals. A stale trial is recorded as FAIL with outcome LOST, its
-leftover processes on this host are killed, and its configuration is queued again while
-``search.retry_failed`` allows.
+A running trial is stale when its worker is gone: the worker is this very process but no
+slot of it runs the trial (a claim half made before a crash), the worker's process no
+longer exists on this host, or the trial's heartbeat (beaten by its worker's watchdog)
+stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
+
+* its leftover processes on this host are killed;
+* a result its folder holds (``result.json``: the store was down when it ended) is recorded;
+* a claim that never started goes back to the queue (WAITING);
+* otherwise it is recorded LOST and its configuration queued again, unless it was lost
+  ``LOST_LIMIT`` times in a row: then it is FAIL with reason ``lost 3 times``.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
+from pathlib import Path
 from typing import Container
 
-import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.executor import saved_result
 from hpo.launch import kill_by_token
-from hpo.store import RESULT_ATTR, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF, run_info
+from hpo.outcome import Outcome, TrialResult
+from hpo.render import trial_folder
+from hpo.scheduler import HOST, requeue
+from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore, TrialRow
 
 STALE_AFTER_BEATS = 3
-HOST = socket.gethostname()
+LOST_LIMIT = 3
 
 
-def retry(study: optuna.Study, failed: FrozenTrial, allowed: int, always: bool = False) -> bool:
-    """Queue ``failed``'s configuration again if fewer than ``allowed`` retries were made
-    (or ``always``, which does not use up a retry); return whether it was queued."""
-    retries = int(failed.system_attrs.get(SYS_RETRIES, 0))
-    if not always and retries >= allowed:
+def run_info(trial: FrozenTrial) -> dict[str, object]:
+    """Who claimed ``trial``: worker, host, token, seed (older studies: the ``run`` attribute)."""
+    return dict(trial.system_attrs.get(SYS_RUN) or trial.user_attrs.get("run") or {})
+
+
+def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: Container[int],
+             judge_beats: bool = True) -> bool:
+    """Whether running ``trial``'s worker is gone (see the module docstring).
+
+    ``me`` is this process's worker id and ``mine`` the trials its slots run. Heartbeats
+    are only judged when ``judge_beats`` (not right after a store outage, when nobody could
+    beat).
+    """
+    worker = str(run_info(trial).get("worker", ""))
+    if worker == me:
+        return trial.number not in mine
+    host, _, pid = worker.rpartition(":")
+    if host == HOST and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        return True
+    if not judge_beats:
         return False
-    system_attrs = {"fixed_params": dict(failed.params), SYS_RETRY_OF: failed.number,
-                    SYS_RETRIES: retries + (0 if always else 1)}
-    study.add_trial(optuna.trial.create_trial(
-        state=TrialState.WAITING, params=failed.params, distributions=failed.distributions,
-        system_attrs=system_attrs))
-    return True
-
-
-def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float) -> bool:
-    """Whether running ``trial``'s worker is gone (see the module docstring)."""
-    host, _, pid = str(run_info(trial).get("worker", "")).rpartition(":")
-    if host == HOST and pid.isdigit():
-        if int(pid) == os.getpid():
-            return False
-        if not psutil.pid_exists(int(pid)):
-            return True
     beat = trial.system_attrs.get(SYS_HEARTBEAT)
     if beat is None and trial.datetime_start is not None:
         beat = trial.datetime_start.timestamp()
     return beat is None or now - float(beat) > STALE_AFTER_BEATS * heartbeat_s
 
 
-def fail_stale_trials(study: optuna.Study, heartbeat_s: float, retries_allowed: int,
-                      mine: Container[int] = ()) -> list[int]:
-    """Fail every stale running trial (except ``mine``); return their numbers.
+def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int],
+                  judge_beats: bool = True) -> list[int]:
+    """Deal with every stale running trial (see the module docstring); return their numbers.
 
-    Call under the store's ask lock, so that two workers do not both retry one trial.
+    Call under the store's ask lock, so that two workers do not both re-run one trial.
     """
     now = time.time()
-    storage = study._storage
-    failed = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if trial.number in mine or not is_stale(trial, now, heartbeat_s):
-            continue
+    heartbeat_s = store.scenario.resources.heartbeat
+    stale = [t for t in store.trials(states=(TrialState.RUNNING,))
+             if is_stale(t, now, heartbeat_s, me, mine, judge_beats)]
+    if not stale:
+        return []
+    rows = store.rows()
+    by_number = {r.number: r for r in rows}
+    for trial in stale:
         run = run_info(trial)
         if run.get("token") and run.get("host") == HOST:
             kill_by_token(str(run["token"]))
-        storage.set_trial_user_attr(trial._trial_id, RESULT_ATTR, {
-            "held_out": {}, "duration_s": None, "reason": "lost: its worker stopped", "outcome": "LOST"})
-        if storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
-            failed.append(trial.number)
-            retry(study, storage.get_trial(trial._trial_id), retries_allowed)
-    return failed
+        _settle_stale(store, by_number[trial.number], rows, SYS_STARTED in trial.system_attrs or "run" in
+                      trial.user_attrs, Path(by_number[trial.number].folder or trial_folder(workdir, trial.number)))
+    return [t.number for t in stale]
+
+
+def _settle_stale(store: StudyStore, row: TrialRow, rows: list[TrialRow], started: bool, folder: Path) -> None:
+    saved = saved_result(folder, row.number)
+    if saved is not None:
+        if saved.outcome.run_again:
+            requeue(store, row, rows)
+        store.end_other(row.number, saved, folder)
+    elif not started:
+        store.back_to_waiting(row.number)
+    elif row.lost_count + 1 >= LOST_LIMIT:
+        store.end_other(row.number, TrialResult(
+            Outcome.FAIL, reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"),
+            folder)
+    else:
+        requeue(store, row, rows, lost_count=row.lost_count + 1)
+        store.end_other(row.number, TrialResult(Outcome.LOST, reason="lost: its worker stopped"), folder)

@@ -3,15 +3,15 @@
 A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is rendered and
 written without that suffix; any other file is copied as it is. The syntax is Jinja2 with
 StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``. Templates
-see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` and, when the
-scenario sets it, ``data_dir``.
+see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
+``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
+``data_dir``.
 """
 from __future__ import annotations
 
 import json
 import re
 import shlex
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +26,8 @@ RENDERED_SUFFIXES = (".j2", ".jinja", ".jinja2", ".tmpl")
 PARAMS_FILE = "params.json"
 COMMAND_FILE = "command.txt"
 LOG_FILE = "trial.log"
+RESULT_FILE = "result.json"
+RESERVED_FILES = (PARAMS_FILE, COMMAND_FILE, LOG_FILE, RESULT_FILE)
 _DOLLAR = re.compile(r"\$\{\s*([A-Za-z_]\w*)\s*\}")
 
 
@@ -86,12 +88,27 @@ def _template_line(tb: TracebackType | None) -> str:
 
 
 @dataclass(frozen=True)
-class RenderedTrial:
-    """A trial folder on disk: where it is, the files written, and the parameter values."""
+class TrialFile:
+    """One file of a trial folder: its name in the folder, its bytes and its mode bits."""
 
-    folder: Path
-    files: tuple[str, ...]
-    params: Mapping[str, Any]
+    name: str
+    data: bytes
+    mode: int = 0o644
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The per-trial seed that templates see as ``trial_seed``: the study's seed plus the
+    trial number (so trials differ and a study repeats), kept in [0, 2**31)."""
+    return (seed + number) % 2**31
+
+
+def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
+    """Write ``files`` into ``folder`` (created if need be)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        target = folder / file.name
+        target.write_bytes(file.data)
+        target.chmod(file.mode)
 
 
 class Renderer:
@@ -108,7 +125,7 @@ class Renderer:
             if not template.is_file():
                 raise InputError(f"template: file {template} not found")
             name, rendered = _output_name(template)
-            if name in names or name in (PARAMS_FILE, COMMAND_FILE, LOG_FILE):
+            if name in names or name in RESERVED_FILES:
                 raise InputError(f"template: two files would be written as {name}")
             names.add(name)
             render = None
@@ -125,32 +142,39 @@ class Renderer:
         """The scenario whose templates this renders."""
         return self._scenario
 
-    def context(self, number: int, folder: Path, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The variables a template sees for this trial."""
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the files the templates become in a trial folder."""
+        return tuple(name for name, _, _ in self._renderers)
+
+    def context(self, number: int, folder: Path, params: Mapping[str, Any], seed: int | None = None) -> dict[str, Any]:
+        """The variables a template sees for this trial (``seed`` overrides ``trial_seed``)."""
         context: dict[str, Any] = dict(params)
-        context.update(trial_number=number, trial_dir=str(folder), seed=self._scenario.search.seed)
+        study_seed = self._scenario.search.seed
+        context.update(trial_number=number, trial_dir=str(folder), seed=study_seed,
+                       trial_seed=trial_seed(study_seed, number) if seed is None else seed)
         if self._scenario.data_dir is not None:
             context["data_dir"] = str(self._scenario.data_dir)
         return context
 
-    def render_texts(self, number: int, folder: Path, params: Mapping[str, Any]) -> dict[str, str]:
+    def render_texts(self, number: int, folder: Path, params: Mapping[str, Any],
+                     seed: int | None = None) -> dict[str, str]:
         """Render every rendered template in memory (a pre-flight check writes nothing)."""
-        context = self.context(number, folder, params)
+        context = self.context(number, folder, params, seed)
         return {name: render(context) for name, render, _ in self._renderers if render is not None}
 
-    def render(self, folder: Path, number: int, params: Mapping[str, Any],
-               argv: Sequence[str]) -> RenderedTrial:
-        """Write the trial's folder: rendered templates, ``params.json`` and ``command.txt``."""
-        texts = self.render_texts(number, folder, params)
-        folder.mkdir(parents=True, exist_ok=True)
+    def files(self, number: int, folder: Path, params: Mapping[str, Any], argv: Sequence[str],
+              seed: int | None = None) -> tuple[TrialFile, ...]:
+        """The trial folder's files: rendered templates, copied files, ``params.json`` and
+        ``command.txt``, in memory (written by :func:`write_files` wherever the trial runs)."""
+        texts = self.render_texts(number, folder, params, seed)
+        out = []
         for name, render, template in self._renderers:
-            target = folder / name
-            if render is None:
-                shutil.copy2(template, target)
-            else:
-                target.write_text(texts[name])
-                shutil.copymode(template, target)
-        (folder / PARAMS_FILE).write_text(json.dumps({"trial": number, "params": dict(params)}, indent=2) + "\n")
-        (folder / COMMAND_FILE).write_text(shlex.join(argv) + "\n")
-        files = tuple(name for name, _, _ in self._renderers)
-        return RenderedTrial(folder=folder, files=files, params=dict(params))
+            mode = template.stat().st_mode & 0o777
+            data = template.read_bytes() if render is None else texts[name].encode()
+            out.append(TrialFile(name, data, mode))
+        context = self.context(number, folder, params, seed)
+        record = {"trial": number, "params": dict(params), "trial_seed": context["trial_seed"]}
+        out.append(TrialFile(PARAMS_FILE, (json.dumps(record, indent=2) + "\n").encode()))
+        out.append(TrialFile(COMMAND_FILE, (shlex.join(argv) + "\n").encode()))
+        return tuple(out)

@@ -16,12 +16,11 @@ This module must stay cheap to import: trial scripts import :func:`report` from 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping, TextIO
+from typing import Mapping, Sequence, TextIO
 
 STEP_KEY = "step"
 SMAC_PREFIXES = ("Result of this algorithm run:", "Result for SMAC:")
@@ -130,8 +129,12 @@ class MetricParser:
     ``quality_name`` is the metric that a SMAC result line's quality field is stored as.
     """
 
-    def __init__(self, quality_name: str) -> None:
+    def __init__(self, quality_name: str, patterns: Mapping[str, str] | None = None,
+                 step_pattern: str | None = None) -> None:
         self._quality_name = quality_name
+        self._patterns = {name: re.compile(p) for name, p in (patterns or {}).items()}
+        self._step_pattern = re.compile(step_pattern) if step_pattern else None
+        self._step: int | None = None
         self._final: dict[str, float] = {}
         self._intermediate: list[tuple[int, Mapping[str, float]]] = []
         self._invalid: dict[str, str] = {}
@@ -143,6 +146,9 @@ class MetricParser:
         text = line.strip()
         if not text:
             return None
+        matched = self._match_patterns(text)
+        if matched is not None:
+            return matched
         smac = parse_smac_line(text, self._quality_name)
         if smac is not None:
             self._smac_status = smac.smac_status
@@ -169,6 +175,22 @@ class MetricParser:
         self._invalid.update(invalid)
         return MetricLine(values=values)
 
+    def _match_patterns(self, text: str) -> MetricLine | None:
+        if self._step_pattern is not None and (step := self._step_pattern.search(text)):
+            self._step = int(float(step.group(1)))
+        values = {}
+        for name, pattern in self._patterns.items():
+            match = pattern.search(text)
+            if match and (number := _number(match.group(1))) is not None:
+                values[name] = number
+        if not values:
+            return None
+        self._final.update(values)
+        if self._step is not None and self._quality_name in values:
+            self._intermediate.append((self._step, dict(values)))
+            return MetricLine(values=values, step=self._step)
+        return MetricLine(values=values)
+
     def metrics(self) -> Metrics:
         """A snapshot of everything reported so far."""
         return Metrics(
@@ -188,46 +210,20 @@ def parse_text(text: str, quality_name: str) -> Metrics:
     return parser.metrics()
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """How a finished trial ended, ready for the store.
-
-    ``state`` is ``COMPLETE`` or ``FAIL``; ``value`` is the objective (None unless
-    COMPLETE); ``held_out`` holds the held-out metrics that were reported; ``reason`` says
-    why a trial failed and is empty when it completed.
-    """
-
-    state: str
-    value: float | None
-    held_out: Mapping[str, float]
-    reason: str
+_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
+_ERROR = re.compile(r"^(\w[\w.]*(Error|Exception|Interrupt)\b.*|.*: error: .*|terminate called.*|Killed)$")
 
 
-def _bad_number(name: str, value: float) -> str | None:
-    return None if math.isfinite(value) else f"{name} is {value}"
+def out_of_gpu_memory(lines: Sequence[str]) -> str | None:
+    """The line of CUDA's out-of-memory error in a trial's output, or None."""
+    found = [line.strip() for line in lines if _OOM.search(line)]
+    return found[-1][:200] if found else None
 
 
-def judge(metrics: Metrics, metric: str, held_out: tuple[str, ...], exit_code: int) -> Verdict:
-    """Decide a trial's outcome from its metrics and its exit code.
-
-    A trial completes only when it exited 0, SMAC's status (if printed) is SAT/SUCCESS and
-    the objective metric was reported as a finite number. Held-out metrics are recorded
-    when present; a missing or non-finite held-out metric does not fail the trial.
-    """
-    kept = {name: metrics.final[name] for name in held_out
-            if name in metrics.final and math.isfinite(metrics.final[name])}
-    if metrics.smac_status is not None and metrics.smac_status not in SMAC_OK_STATUSES:
-        extra = f": {metrics.smac_extra}" if metrics.smac_extra else ""
-        return Verdict("FAIL", None, kept, f"trial reported {metrics.smac_status}{extra}")
-    if exit_code != 0:
-        return Verdict("FAIL", None, kept, f"exit code {exit_code}")
-    if metric not in metrics.final:
-        if metric in metrics.invalid:
-            return Verdict("FAIL", None, kept,
-                           f"{metric} is not a number: {metrics.invalid[metric]}")
-        return Verdict("FAIL", None, kept, f"{metric} was never reported")
-    value = metrics.final[metric]
-    problem = _bad_number(metric, value)
-    if problem is not None:
-        return Verdict("FAIL", None, kept, problem)
-    return Verdict("COMPLETE", value, kept, "")
+def last_error_line(lines: Sequence[str]) -> str:
+    """The last line of a trial's output that reads like an error ('' if none)."""
+    for line in reversed(lines):
+        text = line.strip()
+        if _ERROR.match(text):
+            return text[:200]
+    return ""

@@ -29,7 +29,7 @@ class _Frozen(BaseModel):
 class Param(_Frozen):
     """One hyper-parameter: its type, range or choices, and optional condition."""
 
-    type: Literal["int", "float", "categorical", "constant"]
+    type: Literal["int", "float", "categorical", "constant", "bool"]
     low: float | None = None
     high: float | None = None
     log: bool = False
@@ -40,6 +40,17 @@ class Param(_Frozen):
     mean: float | None = None
     std: float | None = None
     condition: dict[str, Union[Scalar, list[Scalar]]] | None = None
+    flag: str | None = Field(default=None, pattern=r"^-{1,2}[A-Za-z0-9][\w.\-]*$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bool_is_categorical(cls, data: Any) -> Any:
+        """``type: bool`` is a categorical parameter with the choices ``[false, true]``."""
+        if isinstance(data, dict) and data.get("type") == "bool":
+            if "choices" in data:
+                raise ValueError("choices: a bool parameter's choices are false and true")
+            data = {**data, "type": "categorical", "choices": [False, True]}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "Param":
@@ -135,6 +146,9 @@ class Objective(_Frozen):
     metric: str = "val_error"
     direction: Literal["minimize", "maximize"] = "minimize"
     held_out: tuple[str, ...] = ()
+    patterns: dict[str, str] = Field(default_factory=dict)
+    step_pattern: str | None = None
+    post_process: tuple[str, ...] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "Objective":
@@ -143,15 +157,35 @@ class Objective(_Frozen):
         return self
 
 
-class Resources(_Frozen):
-    """Task slots on this machine, the GPUs each trial owns, and the per-trial time limit."""
+GpuCount = Union[int, float, Literal["auto"]]
+MAX_SHARE = 16
 
-    parallel: int = Field(default=1, ge=1)
-    gpus_per_trial: int = Field(default=1, ge=1)
+
+def gpu_share(value: float) -> int | None:
+    """``k`` when ``value`` is within 2 % of a fraction ``1/k`` with k = 2..16, else None."""
+    if not 0 < value < 1:
+        return None
+    k = round(1 / value)
+    return k if 2 <= k <= MAX_SHARE and abs(value - 1 / k) <= 0.02 / k else None
+
+
+class Resources(_Frozen):
+    """Task slots on this machine, what each trial owns, and the limits of a trial.
+
+    ``gpus_per_trial`` is a whole number of GPUs, a fraction ``1/k`` (k trials share a
+    GPU, one process each) or ``auto`` (one GPU per process, as many processes as
+    ``processes_per_trial`` asks for and the machine has GPUs). ``parallel: auto`` runs as
+    many trials at once as the GPUs (or, without GPUs, the CPU cores) allow.
+    """
+
+    parallel: Union[int, Literal["auto"]] = 1
+    gpus_per_trial: GpuCount = "auto"
+    processes_per_trial: int | None = Field(default=None, ge=1)
     gpus: tuple[int, ...] | None = None
     torchrun: Union[bool, Literal["auto"]] = "auto"
     timeout: float | None = Field(default=None, gt=0)
     heartbeat: float = Field(default=10.0, gt=0)
+    store_retry: float = Field(default=300.0, ge=0)
 
     @field_validator("gpus")
     @classmethod
@@ -160,9 +194,46 @@ class Resources(_Frozen):
             raise ValueError("GPU ids must be unique")
         return gpus
 
-    def uses_torchrun(self) -> bool:
-        """Whether trial commands run under torchrun (``auto``: only for several processes)."""
-        return self.gpus_per_trial > 1 if self.torchrun == "auto" else bool(self.torchrun)
+    @field_validator("parallel")
+    @classmethod
+    def _parallel(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"must be at least 1 or auto, got {value}")
+        return value
+
+    @field_validator("gpus_per_trial", mode="before")
+    @classmethod
+    def _gpus_per_trial(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number of GPUs, a fraction 1/k or auto, got {value!r}")
+        if float(value).is_integer() and value >= 1:
+            return int(value)
+        if gpu_share(float(value)) is None:
+            raise ValueError(f"{value:g} is neither a whole number of GPUs nor a fraction 1/k with k = 2..16 "
+                             "(0.5, 0.333, 0.25, 0.2, ... 0.0625) nor auto")
+        return float(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Resources":
+        share = self.share
+        if share > 1 and self.torchrun is True:
+            raise ValueError(f"gpus_per_trial: {self.gpus_per_trial:g} shares a GPU between trials, one process "
+                             "each; torchrun: true would put several NCCL ranks on one GPU")
+        if share > 1 and (self.processes_per_trial or 1) > 1:
+            raise ValueError(f"processes_per_trial: a trial on a share of a GPU runs one process, "
+                             f"not {self.processes_per_trial}")
+        if isinstance(self.gpus_per_trial, int) and self.processes_per_trial not in (None, self.gpus_per_trial):
+            raise ValueError(f"processes_per_trial: {self.processes_per_trial} differs from gpus_per_trial "
+                             f"{self.gpus_per_trial} (one process per GPU); use gpus_per_trial: auto")
+        return self
+
+    @property
+    def share(self) -> int:
+        """How many trials share one GPU (``k`` of a fraction ``1/k``; 1 otherwise)."""
+        value = self.gpus_per_trial
+        return gpu_share(value) or 1 if isinstance(value, float) else 1
 
 
 class Scenario(_Frozen):
@@ -173,6 +244,8 @@ class Scenario(_Frozen):
     syntax: Literal["jinja", "dollar"] = "jinja"
     command: tuple[str, ...]
     flags: bool = False
+    flag_style: Literal["--name", "--name=value", "-name"] = "--name"
+    seed_flag: str | None = Field(default=None, pattern=r"^-{1,2}[A-Za-z0-9][\w.\-]*$")
     data_dir: Path | None = None
     env: dict[str, str] = Field(default_factory=dict)
     parameters: dict[str, Param]
@@ -205,7 +278,7 @@ class Scenario(_Frozen):
         if not self.parameters:
             raise ValueError("parameters: the scenario defines no parameter")
         names = list(self.parameters)
-        reserved = {"trial_number", "trial_dir", "data_dir", "seed"} & set(names)
+        reserved = {"trial_number", "trial_dir", "data_dir", "seed", "trial_seed"} & set(names)
         if reserved:
             raise ValueError(f"parameters.{sorted(reserved)[0]}: the name is reserved for the template context")
         for index, (name, param) in enumerate(self.parameters.items()):

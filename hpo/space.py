@@ -5,7 +5,8 @@
 * points of the unit cube mapped to values (:func:`from_unit`) for designs of experiments,
   and text coerced to values (:func:`coerce`) for CSV designs.
 
-Constants are recorded as single-choice categoricals so every trial carries every value.
+Constants are never suggested on Optuna trials (they are not searched): :func:`suggest`
+and :func:`with_constants` add them to the values that templates, params.json and the CSV see.
 """
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ def is_active(param: Param, values: Mapping[str, Any]) -> bool:
 
 
 def suggest(trial: Any, params: Params) -> dict[str, Any]:
-    """Suggest every active parameter on an Optuna trial, in definition order."""
+    """Suggest every active parameter on an Optuna trial, in definition order; active
+    constants join the values without being suggested."""
     values: dict[str, Any] = {}
     for name, p in params.items():
         if not is_active(p, values):
             continue
         if p.type == "constant":
-            values[name] = trial.suggest_categorical(name, [p.value])
+            values[name] = p.value
         elif p.type == "categorical":
             values[name] = trial.suggest_categorical(name, list(p.choices or ()))
         elif p.type == "int":
@@ -43,6 +45,29 @@ def suggest(trial: Any, params: Params) -> dict[str, Any]:
         else:
             values[name] = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
     return values
+
+
+def with_constants(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (suggested parameters) with the active constants added, in definition order."""
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        if name in values:
+            out[name] = values[name]
+        elif p.type == "constant" and is_active(p, out):
+            out[name] = p.value
+    out.update({name: value for name, value in values.items() if name not in out})
+    return out
+
+
+def searched(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` without the constants: what an Optuna trial records as its parameters."""
+    return {name: value for name, value in values.items() if name not in params or params[name].type != "constant"}
+
+
+def describe(params: Params) -> dict[str, dict[str, Any]]:
+    """The parameters as plain JSON-able data (recorded on the study, compared on resume)."""
+    return {name: p.model_dump(mode="json", exclude_none=True, exclude_defaults=True) | {"type": p.type}
+            for name, p in params.items()}
 
 
 def distributions(params: Params) -> dict[str, Any]:

@@ -1,226 +1,163 @@
-"""The study store: an Optuna study, the single source of truth of a sweep.
+"""The study store: the one object that owns a sweep's Optuna study and its storage.
 
-Storage URLs are Optuna's (``sqlite:///x.db``, ``postgresql://...``, ``mysql://...``) plus
-``journal:PATH`` for Optuna's journal file. The default is an SQLite file in the workdir,
-opened in WAL mode with a long busy timeout so several workers can share it.
+An hpo study is a first-class Optuna study. The objective carries its metric name
+(``set_metric_names``); how a trial ended is recorded as flat scalar user attributes
+(``outcome``, ``reason``, ``duration_s``, ``folder``, each held-out metric under its own
+name, and the bookkeeping of re-runs: ``requeue_of``, ``retry_of``, ``rerun_of``,
+``retries``, ``lost_count``, ``design_index``), so ``optuna.load_study``,
+optuna-dashboard and ``trials_dataframe()`` show them as they are. Optuna's state is
+COMPLETE (with the value), PRUNED, or FAIL for every other outcome (STOPPED, TIMEOUT,
+LOST and INTERRUPTED included: none of them has an objective value). The scenario's
+parameters and the scenario file itself are study user attributes, so a resumed study
+whose space changed can be refused (:mod:`hpo.spacecheck`).
 
-What hpo records on a trial beyond Optuna's own fields lives in two user attributes, each
-written once: ``run`` when the trial starts (folder, worker, host, process token, worker
-seed) and ``result`` when it ends (held-out metrics, duration, reason, outcome).
-:func:`trial_rows` turns trials into the rows that status, export and plots show. Asking for a trial happens under :func:`ask_lock`, which serialises askers across
-threads, processes and (for server databases) machines, so the trial budget is exact.
+:func:`read_row` is the only reader of those attributes and :func:`result_attrs` the only
+writer. Every call into the storage goes through :class:`hpo.storage.Retrying`, so the
+store rides out an outage of ``resources.store_retry`` seconds.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import dataclasses
+import json
 import math
-import sqlite3
-import threading
-import zlib
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import space
 from hpo.errors import InputError
+from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario
+from hpo.storage import Retrying, ask_lock, local_path, open_storage
 
-RUN_ATTR = "run"
-RESULT_ATTR = "result"
-SYS_HEARTBEAT = "hpo:heartbeat"
-SYS_STOP = "hpo:stop"
-SYS_RETRY_OF = "hpo:retry_of"
-SYS_RETRIES = "hpo:retries"
-SYS_DESIGN_INDEX = "hpo:design_index"
-STUDY_METRIC = "hpo:metric"
-SQLITE_TIMEOUT_S = 120
-_THREAD_LOCK = threading.Lock()
-
-
-def storage_url(scenario: Scenario, override: str | None = None, workdir: Path | None = None) -> str:
-    """The study's storage URL: ``--storage``, the scenario's ``storage``, or the default."""
-    if override:
-        return override
-    if scenario.storage:
-        return scenario.storage
-    return f"sqlite:///{(workdir or scenario.default_workdir()) / 'study.db'}"
-
-
-def _sqlite_path(url: str) -> Path | None:
-    if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///"):])
-    return None
-
-
-def _journal_path(url: str) -> Path | None:
-    if url.startswith("journal:"):
-        return Path(url[len("journal:"):].removeprefix("//"))
-    return None
-
-
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """Open (creating if need be) the storage at ``url``; a bad URL is an InputError."""
-    journal = _journal_path(url)
-    if journal is not None:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-        journal.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(journal)))
-    sqlite = _sqlite_path(url)
-    kwargs: dict[str, Any] = {}
-    if sqlite is not None:
-        sqlite.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.closing(sqlite3.connect(sqlite, timeout=SQLITE_TIMEOUT_S)) as conn:
-            conn.execute("PRAGMA journal_mode=WAL")
-        kwargs["connect_args"] = {"timeout": SQLITE_TIMEOUT_S}
-    else:
-        kwargs["pool_pre_ping"] = True
-    try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except ImportError as exc:
-        raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
-                         f"pip install 'hpo[postgres]' for PostgreSQL") from None
-    except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
-        raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
-
-
-def redact(url: str) -> str:
-    """``url`` with any password masked, for messages."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
-
-
-def open_study(scenario: Scenario, url: str, sampler: optuna.samplers.BaseSampler | None = None,
-               pruner: optuna.pruners.BasePruner | None = None, create: bool = True) -> optuna.Study:
-    """Load the scenario's study (creating it when ``create``); InputError if it is missing."""
-    if create:
-        with ask_lock(url):
-            storage = open_storage(url)
-            study = optuna.create_study(storage=storage, study_name=scenario.name, sampler=sampler,
-                                        pruner=pruner, direction=scenario.objective.direction,
-                                        load_if_exists=True)
-        if study.direction.name.lower() != scenario.objective.direction:
-            raise InputError(f"objective.direction: the study {scenario.name} was created to "
-                             f"{study.direction.name.lower()}, not {scenario.objective.direction}")
-        return study
-    local = _sqlite_path(url) or _journal_path(url)
-    if local is not None and not local.exists():
-        raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
-    storage = open_storage(url)
-    try:
-        return optuna.load_study(study_name=scenario.name, storage=storage, sampler=sampler, pruner=pruner)
-    except KeyError:
-        raise InputError(f"no study named {scenario.name} in {url}: run `hpo run` first") from None
-
-
-@contextlib.contextmanager
-def ask_lock(url: str) -> Iterator[None]:
-    """Hold the study-wide lock under which the budget is checked and a trial is asked.
-
-    SQLite and journal files use a lock file beside them (all processes on the machine);
-    PostgreSQL and MySQL use an advisory lock on the server (all machines).
-    """
-    with _THREAD_LOCK:
-        local = _sqlite_path(url) or _journal_path(url)
-        if local is not None:
-            lock_path = local.with_name(local.name + ".hpo-lock")
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            with lock_path.open("a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
-            return
-        with _server_lock(url):
-            yield
-
-
-@contextlib.contextmanager
-def _server_lock(url: str) -> Iterator[None]:
-    import sqlalchemy
-
-    key = zlib.crc32(url.encode()) & 0x7FFFFFFF
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
-    dialect = engine.dialect.name
-    with engine.connect() as conn:
-        if dialect == "postgresql":
-            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            release = "SELECT pg_advisory_unlock(:k)"
-        elif dialect == "mysql":
-            conn.execute(sqlalchemy.text("SELECT GET_LOCK(:k, 600)"), {"k": str(key)})
-            release = "SELECT RELEASE_LOCK(:k)"
-        else:
-            raise InputError(f"--storage: {dialect} has no lock that hpo can share; use sqlite, postgresql or mysql")
-        try:
-            yield
-        finally:
-            conn.execute(sqlalchemy.text(release), {"k": key if dialect == "postgresql" else str(key)})
-            conn.commit()
-    engine.dispose()
-
-
-def counted_trials(trials: list[FrozenTrial]) -> int:
-    """Trials that count against the budget: all but waiting ones and those since retried."""
-    superseded = {t.system_attrs[SYS_RETRY_OF] for t in trials if SYS_RETRY_OF in t.system_attrs}
-    return sum(1 for t in trials if t.state != TrialState.WAITING and t.number not in superseded)
+ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
+ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
+ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "design_index"
+SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
+STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT = "parameters", "scenario", "held_out"
+_LEGACY_RUN, _LEGACY_RESULT = "run", "result"
+_LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_DESIGN_INDEX: "hpo:design_index"}
+_STATE_OUTCOMES = {TrialState.COMPLETE: {Outcome.COMPLETE}, TrialState.PRUNED: {Outcome.PRUNED, Outcome.STOPPED},
+                   TrialState.FAIL: {Outcome.FAIL, Outcome.STOPPED, Outcome.TIMEOUT, Outcome.LOST,
+                                     Outcome.INTERRUPTED}}
 
 
 @dataclass(frozen=True)
 class TrialRow:
-    """One trial as status, export and plots show it."""
+    """One trial as status, export, plots and the progress view show it.
+
+    ``params`` include the scenario's constants; ``slot``/``gpus`` say where a running
+    trial runs; ``requeue_of``, ``retry_of`` and ``rerun_of`` name the trial whose
+    configuration this one runs again (lost or interrupted, failed and retried, rerun).
+    """
 
     number: int
-    state: str
+    outcome: Outcome
     params: Mapping[str, Any]
     value: float | None
     held_out: Mapping[str, float]
     duration_s: float | None
     folder: str
     reason: str
+    slot: int | None = None
+    gpus: str = ""
+    requeue_of: int | None = None
     retry_of: int | None = None
+    rerun_of: int | None = None
+    design_index: int | None = None
+    lost_count: int = 0
+    retries: int = 0
+
+    @property
+    def state(self) -> str:
+        """The outcome's name, as the CSV's ``state`` column writes it."""
+        return self.outcome.value
 
 
-def run_info(trial: FrozenTrial) -> dict[str, Any]:
-    """What was recorded when the trial started (empty for trials hpo did not run)."""
-    return dict(trial.user_attrs.get(RUN_ATTR) or {})
+def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
+    """The user attributes that record ``result`` (the only writer of them)."""
+    attrs: dict[str, Any] = {ATTR_OUTCOME: result.outcome.value, ATTR_REASON: result.reason,
+                             ATTR_DURATION: round(result.duration_s, 3), ATTR_FOLDER: str(folder)}
+    attrs.update({name: float(value) for name, value in result.held_out.items()})
+    return attrs
 
 
-def result_info(trial: FrozenTrial) -> dict[str, Any]:
-    """What was recorded when the trial ended (empty while it runs)."""
-    return dict(trial.user_attrs.get(RESULT_ATTR) or {})
+def _outcome(trial: FrozenTrial, recorded: str | None) -> Outcome:
+    if trial.state == TrialState.RUNNING:
+        return Outcome.RUNNING if SYS_STARTED in trial.system_attrs or _LEGACY_RUN in trial.user_attrs \
+            else Outcome.WAITING
+    if trial.state == TrialState.WAITING:
+        return Outcome.WAITING
+    try:
+        outcome = Outcome(recorded) if recorded else None
+    except ValueError:
+        outcome = None
+    if outcome is not None and outcome in _STATE_OUTCOMES[trial.state]:
+        return outcome
+    if trial.state == TrialState.FAIL and outcome is not None:
+        return Outcome.LOST  # judged lost by another worker while its own worker recorded it
+    return Outcome(trial.state.name)
 
 
-def display_state(trial: FrozenTrial) -> str:
-    """Optuna's state name, or hpo's finer outcome (e.g. STOPPED) when one was recorded."""
-    return str(result_info(trial).get("outcome") or trial.state.name)
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def trial_row(trial: FrozenTrial) -> TrialRow:
-    """The :class:`TrialRow` of one Optuna trial."""
-    result = result_info(trial)
-    duration = result.get("duration_s")
+def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> TrialRow:
+    """The :class:`TrialRow` of one Optuna trial (the only reader of hpo's attributes).
+
+    Reads this round's flat attributes and, for studies made before it, the nested
+    ``run``/``result`` attributes. ``constants`` adds the scenario's constants to the params.
+    """
+    user = trial.user_attrs
+    legacy = dict(user.get(_LEGACY_RESULT) or {})
+    recorded = user.get(ATTR_OUTCOME, legacy.get("outcome"))
+    outcome = _outcome(trial, recorded)
+    held_out = {k: float(v) for k, v in (legacy.get("held_out") or {}).items()}
+    held_out.update({k: float(v) for k, v in user.items() if k not in RESERVED_ATTRS and k not in
+                     (_LEGACY_RUN, _LEGACY_RESULT) and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    duration = user.get(ATTR_DURATION, legacy.get("duration_s"))
     if duration is None and trial.datetime_start and trial.datetime_complete:
         duration = (trial.datetime_complete - trial.datetime_start).total_seconds()
-    value = trial.value if trial.state == TrialState.COMPLETE else None
-    return TrialRow(number=trial.number, state=display_state(trial), params=dict(trial.params),
-                    value=value, held_out=dict(result.get("held_out") or {}),
-                    duration_s=duration, folder=str(run_info(trial).get("folder", "")),
-                    reason=str(result.get("reason", "")),
-                    retry_of=trial.system_attrs.get(SYS_RETRY_OF))
+    started = trial.system_attrs.get(SYS_STARTED) or {}
+    folder = user.get(ATTR_FOLDER) or started.get("folder") or (user.get(_LEGACY_RUN) or {}).get("folder", "")
+    reason = str(user.get(ATTR_REASON, legacy.get("reason", "")) or "")
+    if outcome is Outcome.LOST and recorded not in (None, Outcome.LOST.value):
+        reason = f"lost: another worker judged its worker gone ({reason or recorded})"
+    value = trial.value if outcome is Outcome.COMPLETE else None
+    params = dict(trial.params)
+    return TrialRow(
+        number=trial.number, outcome=outcome, params=constants(params) if constants else params,
+        value=value, held_out=held_out, duration_s=duration, folder=str(folder), reason=reason,
+        slot=_int(started.get("slot")), gpus=str(started.get("gpus", "")),
+        requeue_of=_int(user.get(ATTR_REQUEUE_OF)), retry_of=_int(_attr(trial, ATTR_RETRY_OF)),
+        rerun_of=_int(user.get(ATTR_RERUN_OF)), design_index=_int(_attr(trial, ATTR_DESIGN_INDEX)),
+        lost_count=_int(user.get(ATTR_LOST_COUNT)) or 0, retries=_int(_attr(trial, ATTR_RETRIES)) or 0)
 
 
-def trial_rows(study: optuna.Study) -> list[TrialRow]:
-    """Every trial that ran or runs (waiting design points left out), by number."""
-    trials = study.get_trials(deepcopy=False)
-    return [trial_row(t) for t in sorted(trials, key=lambda t: t.number) if t.state != TrialState.WAITING]
+def _attr(trial: FrozenTrial, name: str) -> Any:
+    """A bookkeeping attribute, or its system-attribute twin in studies made before this round."""
+    value = trial.user_attrs.get(name)
+    return value if value is not None else trial.system_attrs.get(_LEGACY_SYS.get(name, ""))
+
+
+RESERVED_ATTRS = frozenset({ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER, ATTR_REQUEUE_OF,
+                            ATTR_RETRY_OF, ATTR_RERUN_OF, ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX,
+                            "worker", "slot", "gpus"})
+
+
+def repeat_of(row: TrialRow) -> int | None:
+    """The trial whose configuration ``row`` runs again (re-run, retry or rerun), or None."""
+    for number in (row.requeue_of, row.retry_of, row.rerun_of):
+        if number is not None:
+            return number
+    return None
 
 
 def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
@@ -230,3 +167,209 @@ def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
         return None
     pick = min if direction == "minimize" else max
     return pick(done, key=lambda r: r.value)  # type: ignore[arg-type, return-value]
+
+
+class StudyStore:
+    """Owns the scenario's Optuna study and storage; every storage call is retried.
+
+    Args:
+        scenario: the validated scenario (its name, direction, parameters, store_retry).
+        url: the storage URL.
+        create: create the study if missing (``hpo run``); else a missing study is an InputError.
+        sampler, pruner: what ``ask`` and ``report`` use (model-based sweeps).
+        on_outage: receives one-line messages when the store stops and starts answering.
+    """
+
+    def __init__(self, scenario: Scenario, url: str, *, create: bool = True,
+                 sampler: optuna.samplers.BaseSampler | None = None,
+                 pruner: optuna.pruners.BasePruner | None = None,
+                 on_outage: Callable[[str], None] | None = None) -> None:
+        self.scenario = scenario
+        self.url = url
+        self.call = Retrying(url, scenario.resources.store_retry, on_outage)
+        self._ids: dict[int, int] = {}
+        local = local_path(url)
+        if not create and local is not None and not local.exists():
+            raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
+        if create:
+            with self.lock():
+                self._storage = self.call(open_storage, url)
+                self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
+                                       sampler=sampler, pruner=pruner, load_if_exists=True,
+                                       direction=scenario.objective.direction)
+        else:
+            self._storage = self.call(open_storage, url)
+            try:
+                self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
+                                       sampler=sampler, pruner=pruner)
+            except KeyError:
+                raise InputError(f"no study named {scenario.name} in {url}: run `hpo run` first") from None
+        if self.study.direction.name.lower() != scenario.objective.direction:
+            raise InputError(f"objective.direction: the study {scenario.name} was created to "
+                             f"{self.study.direction.name.lower()}, not {scenario.objective.direction}")
+        self._study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """The study-wide ask lock (see :func:`hpo.storage.ask_lock`), taken through an outage."""
+        def enter() -> Any:
+            held = ask_lock(self.url)
+            held.__enter__()
+            return held
+
+        held = self.call(enter)
+        try:
+            yield
+        finally:
+            held.__exit__(None, None, None)
+
+    @property
+    def optuna_storage(self) -> optuna.storages.BaseStorage:
+        """The Optuna storage itself, for Optuna's own tools (optuna-dashboard)."""
+        return self._storage
+
+    @property
+    def user_attrs(self) -> dict[str, Any]:
+        """The study's user attributes."""
+        return self.call(lambda: self.study.user_attrs)
+
+    def set_study_attr(self, key: str, value: Any) -> None:
+        """Set one study user attribute."""
+        self.call(self.study.set_user_attr, key, value)
+
+    def describe(self, scenario_text: str) -> None:
+        """Record the metric name, held-out metrics, parameters and scenario on the study."""
+        if self.call(lambda: self.study.metric_names) != [self.scenario.objective.metric]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.call(self.study.set_metric_names, [self.scenario.objective.metric])
+        self.set_study_attr(STUDY_HELD_OUT, list(self.scenario.objective.held_out))
+        self.set_study_attr(STUDY_PARAMETERS, space.describe(self.scenario.parameters))
+        self.set_study_attr(STUDY_SCENARIO, scenario_text)
+
+    def trials(self, states: tuple[TrialState, ...] | None = None) -> list[FrozenTrial]:
+        """A snapshot of the study's trials (Optuna caches the finished ones)."""
+        return self.call(self.study.get_trials, deepcopy=False, states=states)
+
+    def rows(self, trials: list[FrozenTrial] | None = None) -> list[TrialRow]:
+        """Every trial as a :class:`TrialRow`, by number; a queued copy shows the parameters
+        of the trial it runs again."""
+        constants = self.constants
+        found = self.trials() if trials is None else trials
+        rows = [read_row(t, constants) for t in sorted(found, key=lambda t: t.number)]
+        by_number = {r.number: r for r in rows}
+        for index, row in enumerate(rows):
+            original = by_number.get(repeat_of(row) if row.outcome is Outcome.WAITING else None)  # type: ignore[arg-type]
+            if original is not None and not row.params:
+                rows[index] = dataclasses.replace(row, params=original.params)
+        return rows
+
+    def constants(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with the scenario's constants that apply to them added."""
+        return space.with_constants(self.scenario.parameters, params)
+
+    def _id(self, number: int) -> int:
+        if number not in self._ids:
+            self._ids[number] = self.call(self._storage.get_trial_id_from_study_id_trial_number,
+                                          self._study_id, number)
+        return self._ids[number]
+
+    def trial(self, number: int) -> FrozenTrial:
+        """The trial numbered ``number``, read now; InputError if there is none."""
+        try:
+            return self.call(self._storage.get_trial, self._id(number))
+        except KeyError:
+            raise InputError(f"trial {number}: no such trial in study {self.scenario.name}") from None
+
+    def ask(self) -> optuna.Trial:
+        """A new trial: the first WAITING one, else a proposal of the sampler (call under the lock)."""
+        return self.call(self.study.ask)
+
+    def claim_waiting(self, number: int) -> optuna.Trial:
+        """Claim the WAITING trial ``number`` itself (not the first in the queue)."""
+        if not self._set_state(number, TrialState.RUNNING):
+            raise InputError(f"trial {number}: someone else claimed it first")
+        return optuna.trial.Trial(self.study, self._id(number))
+
+    def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
+        """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock)."""
+        self.call(self.study.enqueue_trial, dict(params), user_attrs=dict(attrs))
+
+    def set_attr(self, number: int, key: str, value: Any) -> None:
+        """Set one user attribute of an unfinished trial."""
+        self.call(self._storage.set_trial_user_attr, self._id(number), key, value)
+
+    def set_system(self, number: int, key: str, value: Any) -> None:
+        """Set one of hpo's system attributes (claims, starts, heartbeats, stop requests)."""
+        self.call(self._storage.set_trial_system_attr, self._id(number), key, value)
+
+    def beat(self, number: int) -> None:
+        """Mark trial ``number`` alive now (nothing if it has just ended)."""
+        try:
+            self.set_system(number, SYS_HEARTBEAT, time.time())
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
+
+    def stop_requested(self, number: int) -> bool:
+        """Whether someone asked (``hpo stop``) for trial ``number`` to end."""
+        return bool(self.trial(number).system_attrs.get(SYS_STOP))
+
+    def back_to_waiting(self, number: int) -> bool:
+        """Put a claimed trial that never started back in the queue; False if it had ended."""
+        return self._set_state(number, TrialState.WAITING)
+
+    def record(self, number: int, result: TrialResult, folder: Path | str) -> bool:
+        """Record how trial ``number`` ended: attributes first, then the state (the commit).
+
+        Returns False, recording nothing more, when the trial had already ended: another
+        worker judged it lost (its result stays in its folder).
+        """
+        try:
+            for key, value in result_attrs(result, folder).items():
+                self.set_attr(number, key, value)
+            if result.outcome is Outcome.COMPLETE:
+                self.call(self.study.tell, number, result.value)
+            elif result.outcome is Outcome.PRUNED:
+                self.call(self.study.tell, number, state=TrialState.PRUNED)
+            else:
+                self.call(self.study.tell, number, state=TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError) as exc:
+            if self.trial(number).state.is_finished():
+                return False
+            raise exc
+        return True
+
+    def end_other(self, number: int, result: TrialResult, folder: Path | str) -> bool:
+        """Record the end of a trial this worker does not run (lost, or recorded from its
+        folder); False when its own worker ended it first."""
+        try:
+            for key, value in result_attrs(result, folder).items():
+                self.set_attr(number, key, value)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+        state = {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(
+            result.outcome, TrialState.FAIL)
+        values = [result.value] if result.value is not None else None
+        return self._set_state(number, state, values)
+
+    def _set_state(self, number: int, state: TrialState, values: list[float] | None = None) -> bool:
+        try:
+            return bool(self.call(self._storage.set_trial_state_values, self._id(number), state, values))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+
+    def request_stop(self, number: int) -> FrozenTrial:
+        """Ask whichever worker runs trial ``number`` to end it; InputError unless it runs."""
+        trial = self.trial(number)
+        if trial.state != TrialState.RUNNING:
+            raise InputError(f"trial {number}: it is {read_row(trial).state}, not running")
+        self.set_system(number, SYS_STOP, time.time())
+        return trial
+
+
+def scenario_text(path: Path) -> str:
+    """The scenario file's text, as recorded on the study."""
+    try:
+        return path.read_text()
+    except OSError:
+        return json.dumps({"path": str(path)})

@@ -43,7 +43,7 @@ CASES = {
     "low-above-high": Case(("parameters.x.low", "2 is above high 1"), {"parameters": {"x": {"low": 2.0}}}),
     "log-with-low-zero": Case(("parameters.x.low", "log-scaled parameter needs low > 0"),
                               {"parameters": {"x": {"log": True}}}),
-    "bad-type": Case(("parameters.x.type", "'int', 'float', 'categorical' or 'constant'"),
+    "bad-type": Case(("parameters.x.type", "'int', 'float', 'categorical', 'constant' or 'bool'"),
                      {"parameters": {"x": {"type": "double"}}}),
     "missing-command": Case(("command", "required key is missing"), drop=("command",)),
     "missing-trials": Case(("search.trials", "needs the total number of trials"), drop=("search.trials",)),
@@ -61,7 +61,18 @@ CASES = {
                                       "parameters": {"x": {"distribution": "normal", "mean": 0.5, "std": 0.1}}}),
     "held-out-is-the-metric": Case(("objective.held_out", "val_error is the objective metric"),
                                    {"objective": {"held_out": ["val_error"]}}),
-    "parallel-zero": Case(("resources.parallel", "greater than or equal to 1"), {"resources": {"parallel": 0}}),
+    "parallel-zero": Case(("resources.parallel", "must be at least 1 or auto, got 0"), {"resources": {"parallel": 0}}),
+    "gpu-fraction-not-1-over-k": Case(("resources.gpus_per_trial", "0.3 is neither a whole number of GPUs nor a "
+                                       "fraction 1/k"), {"resources": {"gpus_per_trial": 0.3}}),
+    "gpu-fraction-under-torchrun": Case(("resources.gpus_per_trial", "torchrun: true would put several NCCL ranks"),
+                                        {"resources": {"gpus_per_trial": 0.25, "torchrun": True}}),
+    "misspelt-script": Case(("command", "trian.py is neither a file of the trial folder", "did you mean train.py"),
+                            {"command": "python trian.py"}),
+    "missing-program": Case(("command", "program no-such-trainer not found"), {"command": "no-such-trainer --x 1"}),
+    "storage-scheme": Case(("--storage", "cannot open foo://bar", "sqlite:///PATH"),
+                           args=("status", "{scenario}", "--storage", "foo://bar")),
+    "space-change-needs-no-store": Case(("--storage", "cannot open nosql://x"),
+                                        args=("run", "{scenario}", "--storage", "nosql://x")),
     "grid-on-continuous": Case(("parameters.x", "method grid needs a step"), {"search": {"method": "grid"}}),
     "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but this machine has 1 GPU"),
                                     {"resources": {"gpus": [0], "gpus_per_trial": 2}}),
@@ -94,7 +105,6 @@ CASES = {
     "template-runtime-error": Case(("train.py.j2 line 1", "ZeroDivisionError"), template="{{ x / 0 }}\n"),
     # command line
     "unknown-command": Case(("invalid choice", "frobnicate"), args=("frobnicate", "{scenario}")),
-    "no-command": Case(("required", "command"), args=()),
     "workers-zero": Case(("--workers", "must be at least 1, got 0"), args=("run", "{scenario}", "--workers", "0")),
     "workers-not-a-number": Case(("--workers", "'x'"), args=("run", "{scenario}", "--workers", "x")),
     "unknown-option": Case(("unrecognized arguments", "--fast"), args=("validate", "{scenario}", "--fast")),
@@ -228,6 +238,17 @@ def test_stop_of_a_finished_trial_after_a_run(misbehaving_sweep: tuple[Path, sub
                                               run_cli: RunCli) -> None:
     path, _ = misbehaving_sweep
     assert_input_error(run_cli("stop", path, "0"), "trial 0", "not running")
+
+
+def test_bare_hpo_prints_usage_and_exits_2(run_cli: RunCli) -> None:
+    result = run_cli()
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: hpo") and "run" in result.stderr and "HPO_GPUS" in result.stderr
+
+
+def test_version(run_cli: RunCli) -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("hpo 0.")
 
 
 def test_status_before_any_run(tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli) -> None:

@@ -51,13 +51,14 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
     scenario = shrunk("digits-monte-carlo", tmp_path, search={"trials": 2}, constants={"epochs": 2})
     run = hpo("run", str(scenario))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "2/2 trials finished (2 complete)" in run.stdout
+    assert "2/2 trials done: 2 complete." in run.stdout
 
     out = tmp_path / "results.csv"
     assert hpo("export", str(scenario), "-o", str(out)).returncode == 0
     rows = read_csv(out)
     assert list(rows[0]) == ["number", "state", "nb_filters", "conv_size", "dropout", "lr", "optimizer",
-                             "batch_size", "epochs", "val_error", "test_error", "duration_s", "folder", "reason"]
+                             "batch_size", "epochs", "val_error", "test_error", "duration_s", "folder", "reason",
+                             "repeat_of"]
     assert [r["number"] for r in rows] == ["0", "1"]
     for row in rows:
         assert row["state"] == "COMPLETE" and row["reason"] == ""
@@ -70,7 +71,7 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
         assert '"step": 2' in log and '"test_error"' in log
 
     status = hpo("status", str(scenario))
-    assert status.returncode == 0 and "COMPLETE" in status.stdout and "best: trial" in status.stdout
+    assert status.returncode == 0 and "COMPLETE" in status.stdout and "best #" in status.stdout
 
     plots = tmp_path / "plots"
     plot = hpo("plot", str(scenario), "-o", str(plots))
@@ -84,7 +85,7 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
     assert (best_dir / "model.pt").is_file() and (best_dir / "trial.log").is_file()
 
     again = hpo("run", str(scenario))
-    assert again.returncode == 0 and "2 of 2 trials already finished" in again.stdout
+    assert again.returncode == 0 and "2 of 2 trials done before this run" in again.stdout
     assert len(read_csv(out)) == 2
 
 

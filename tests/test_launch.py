@@ -13,11 +13,25 @@ import psutil
 import pytest
 
 from hpo.errors import InputError
-from hpo.launch import (GPU_ENV, TOKEN_ENV, Slot, build_argv, detect_gpus, kill_by_token, plan_slots,
-                        run_process, trial_env)
-from hpo.scenario import Resources
+from hpo.launch import (GPU_ENV, TOKEN_ENV, Slot, build_argv, check_command, detect_gpus, flag_args, kill_by_token,
+                        plan_slots, run_process, trial_env)
+from hpo.scenario import Resources, Scenario
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+def scenario(command: list[str], values: dict[str, Any], flags: bool = False, **fields: Any) -> Scenario:
+    """A scenario whose parameters are ``values``' names, each a parameter of the value's type."""
+    def param(value: Any) -> dict[str, Any]:
+        if isinstance(value, bool):
+            return {"type": "bool"}
+        if isinstance(value, (int, float)):
+            return {"type": "int" if isinstance(value, int) else "float", "low": 0, "high": 1000}
+        return {"type": "categorical", "choices": [value]}
+
+    params = {name: {**param(value), **fields.pop(f"{name}_param", {})} for name, value in values.items()}
+    return Scenario(name="s", command=command, flags=flags, parameters=params or {"x": param(1.0)},
+                    search={"method": "tpe", "trials": 1}, path=Path("/s/s.yaml"), **fields)
 
 
 @pytest.mark.parametrize(
@@ -32,8 +46,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
         pytest.param(["./run.sh", "--fast"], {"lr": 0.1}, False, 1, False, ["./run.sh", "--fast"],
                      id="not-python-kept"),
         pytest.param(["python", "train.py"], {"lr": 0.001, "opt": "adam", "units": 64, "bn": True}, True, 1, False,
-                     [sys.executable, "train.py", "--lr", "0.001", "--opt", "adam", "--units", "64", "--bn", "True"],
-                     id="flags-appended"),
+                     [sys.executable, "train.py", "--lr", "0.001", "--opt", "adam", "--units", "64", "--bn"],
+                     id="flags-appended-bool-a-switch"),
+        pytest.param(["python", "train.py"], {"bn": False, "units": 3}, True, 1, False,
+                     [sys.executable, "train.py", "--units", "3"], id="false-switch-absent"),
         pytest.param(["python", "train.py"], {"name": "two words", "path": "a b/c d"}, True, 1, False,
                      [sys.executable, "train.py", "--name", "two words", "--path", "a b/c d"],
                      id="flag-values-with-spaces-stay-one-item"),
@@ -54,13 +70,55 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 )
 def test_build_argv(command: list[str], params: dict[str, Any], flags: bool, processes: int, torchrun: bool,
                     expected: list[str]) -> None:
-    assert build_argv(command, params, flags, processes, torchrun) == expected
+    assert build_argv(scenario(command, params, flags), params, processes, torchrun) == expected
+
+
+@pytest.mark.parametrize(("style", "expected"), [
+    ("--name", ["--batch-size", "64", "--lr", "0.1", "--save-model", "--seed", "7"]),
+    ("--name=value", ["--batch-size=64", "--lr=0.1", "--save-model", "--seed=7"]),
+    ("-name", ["--batch-size", "64", "-lr", "0.1", "--save-model", "--seed", "7"]),
+])
+def test_flag_names_styles_switches_and_the_seed_flag(style: str, expected: list[str]) -> None:
+    values = {"batch_size": 64, "lr": 0.1, "save_model": True}
+    sc = scenario(["python", "main.py"], values, flags=True, flag_style=style, seed_flag="--seed",
+                  batch_size_param={"flag": "--batch-size"}, save_model_param={"flag": "--save-model"})
+    assert flag_args(sc, values, seed=7) == expected
+
+
+def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
+    values = {"batch_size": 64, "lr": 0.1}
+    sc = scenario(["python", "main.py"], values, batch_size_param={"flag": "--batch-size"})
+    assert flag_args(sc, values) == ["--batch-size", "64"]
+
+
+@pytest.mark.parametrize(("command", "problem"), [
+    (["python", "train.py"], None),
+    (["python", "-m", "pkg.train"], None),
+    (["python", "-u", "train.py"], None),
+    ([sys.executable, "train.py", "--lr", "1"], None),
+    (["sh", "-c", "true"], None),
+    (["python", "trian.py"], "command: trian.py is neither a file of the trial folder nor an existing path "
+                             "(did you mean train.py?)"),
+    (["python", "evaluate.py"], "command: evaluate.py is neither a file of the trial folder nor an existing path "
+                             "(the trial folder holds train.py, helper.sh)"),
+    (["no-such-program-xyz", "train.py"], "command: program no-such-program-xyz not found"),
+    (["./helper.sh"], None),
+    (["bash", "run.py"], "command: run.py is neither"),
+])
+def test_check_command(command: list[str], problem: str | None) -> None:
+    if problem is None:
+        check_command(command, ["train.py", "helper.sh"])
+    else:
+        with pytest.raises(InputError) as error:
+            check_command(command, ["train.py", "helper.sh"])
+        assert str(error.value).startswith(problem)
 
 
 def test_build_argv_does_not_change_its_input() -> None:
-    command = ("python", "train.py")
-    build_argv(command, {"lr": 1}, True, 2, True)
-    assert command == ("python", "train.py")
+    command = ["python", "train.py"]
+    sc = scenario(command, {"lr": 1.0}, True)
+    build_argv(sc, {"lr": 1}, 2, True)
+    assert sc.command == ("python", "train.py")
 
 
 @pytest.mark.parametrize(
@@ -76,6 +134,11 @@ def test_build_argv_does_not_change_its_input() -> None:
         pytest.param({"parallel": 2, "gpus_per_trial": 2}, (4, 5, 6), [((4, 5), 2)], id="odd-gpu-left-idle"),
         pytest.param({"parallel": 2, "gpus_per_trial": 1, "gpus": (6, 7)}, (0, 1, 2, 3),
                      [((6,), 1), ((7,), 1)], id="scenario-gpus-win"),
+        pytest.param({"parallel": "auto", "gpus_per_trial": 2}, tuple(range(8)),
+                     [((0, 1), 2), ((2, 3), 2), ((4, 5), 2), ((6, 7), 2)], id="auto-parallel-fills-gpus"),
+        pytest.param({"parallel": "auto", "processes_per_trial": 2}, (0,), [((0,), 1)], id="auto-one-gpu"),
+        pytest.param({"parallel": "auto", "processes_per_trial": 2}, (0, 1), [((0, 1), 2)], id="auto-two-gpus"),
+        pytest.param({"parallel": "auto", "processes_per_trial": 2}, (0, 1, 2), [((0, 1), 2)], id="auto-three"),
     ],
 )
 def test_plan_slots_with_fake_gpus(resources: dict[str, Any], gpus: tuple[int, ...],
@@ -85,7 +148,42 @@ def test_plan_slots_with_fake_gpus(resources: dict[str, Any], gpus: tuple[int, .
     assert [slot.index for slot in slots] == list(range(len(expected)))
     owned = [gpu for slot in slots for gpu in slot.gpus]
     assert len(owned) == len(set(owned))
-    assert all(slot.threads == 1 for slot in slots)
+    assert all(slot.threads == 16 // (len(slots) * slot.processes) for slot in slots)
+
+
+@pytest.mark.parametrize(("fraction", "parallel", "gpus", "expected"), [
+    (0.5, 8, (0, 1), [(0,), (1,), (0,), (1,)]),
+    (0.25, 8, (0,), [(0,)] * 4),
+    (0.25, 3, (0, 1), [(0,), (1,), (0,)]),
+    (0.333, "auto", (0, 1), [(0,), (1,)] * 3),
+    (0.0625, "auto", (0,), [(0,)] * 16),
+])
+def test_fractional_gpus_pack_trials_onto_each_gpu(fraction: float, parallel: Any, gpus: tuple[int, ...],
+                                                   expected: list[tuple[int, ...]]) -> None:
+    slots = plan_slots(Resources(gpus_per_trial=fraction, parallel=parallel), gpus, cpu_count=16)
+    assert [slot.gpus for slot in slots] == expected
+    assert all(slot.processes == 1 and slot.share == round(1 / fraction) for slot in slots)
+    assert "1 process on 1/" in slots[0].describe()
+
+
+def test_fractions_on_a_cpu_machine_are_one_process_per_trial() -> None:
+    slots = plan_slots(Resources(gpus_per_trial=0.5, parallel=2), (), cpu_count=8)
+    assert slots == (Slot(0, (), 1, 4), Slot(1, (), 1, 4))
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (0.3, "0.3 is neither a whole number of GPUs nor a fraction 1/k"),
+    (0.7, "0.7 is neither"), (1.5, "1.5 is neither"), (0.05, "0.05 is neither"), (0, "0 is neither"),
+    ("two", "expected a number of GPUs, a fraction 1/k or auto"),
+])
+def test_bad_gpu_counts(value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Resources(gpus_per_trial=value)
+
+
+def test_a_fraction_cannot_be_forced_under_torchrun() -> None:
+    with pytest.raises(ValueError, match="torchrun: true would put several NCCL ranks on one GPU"):
+        Resources(gpus_per_trial=0.5, torchrun=True)
 
 
 @pytest.mark.parametrize(
@@ -97,9 +195,27 @@ def test_plan_slots_on_cpu(parallel: int, per_trial: int, cpus: int, threads: in
     assert slots == tuple(Slot(i, (), per_trial, threads) for i in range(parallel))
 
 
+@pytest.mark.parametrize(("workers", "cpus", "threads"), [(2, 2, 1), (4, 16, 4), (1, 8, 8)])
+def test_workers_share_the_machine(workers: int, cpus: int, threads: int) -> None:
+    slots = plan_slots(Resources(parallel=1), (), cpu_count=cpus, at_least=workers)
+    assert len(slots) == workers and all(slot.threads == threads for slot in slots)
+
+
+def test_the_main_job_on_zero_one_and_two_gpus() -> None:
+    main_job = Resources(parallel="auto", gpus_per_trial="auto", processes_per_trial=2)
+    cpu, = plan_slots(main_job, (), cpu_count=2)
+    assert (cpu.gpus, cpu.processes, cpu.threads) == ((), 2, 1)
+    one, = plan_slots(main_job, (0,), cpu_count=16)
+    assert (one.gpus, one.processes) == ((0,), 1)
+    two, = plan_slots(main_job, (0, 1), cpu_count=16)
+    assert (two.gpus, two.processes) == ((0, 1), 2)
+
+
 def test_plan_slots_needs_enough_gpus() -> None:
     with pytest.raises(InputError, match="resources.gpus_per_trial: 4 GPUs per trial, but this machine has 2 GPUs"):
         plan_slots(Resources(gpus_per_trial=4), (0, 1))
+    with pytest.raises(InputError, match="--workers 2: this machine runs 1 trial at a time"):
+        plan_slots(Resources(gpus_per_trial=1), (0,), at_least=2)
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", ()), ("0", (0,)), ("0,1, 3", (0, 1, 3)), ("2,", (2,))])

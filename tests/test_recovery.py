@@ -1,17 +1,27 @@
-"""Stale-trial detection, LOST records and retries, on in-memory studies."""
+"""Trials of workers that are gone: detection, and what becomes of them, on real SQLite studies."""
 from __future__ import annotations
 
-import os
+import datetime
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Callable
 
-import optuna
 import pytest
-from optuna.trial import TrialState
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
 
-from hpo.recovery import HOST, STALE_AFTER_BEATS, fail_stale_trials, is_stale, retry
-from hpo.store import RUN_ATTR, SYS_HEARTBEAT, SYS_RETRIES, SYS_RETRY_OF, counted_trials, trial_rows
+from hpo import designs
+from hpo.executor import _save
+from hpo.outcome import Outcome, TrialResult
+from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, recover_stale
+from hpo.scenario import load_scenario
+from hpo.scheduler import HOST, Claim, Scheduler, worker_id
+from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
+
+WriteScenario = Callable[..., Path]
+ME = worker_id()
 
 
 def dead_pid() -> int:
@@ -21,52 +31,91 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def running(study: optuna.Study, worker: str, beat: float | None) -> optuna.trial.Trial:
-    """A RUNNING trial owned by ``worker`` with its last heartbeat at ``beat``."""
-    trial = study.ask()
-    trial.suggest_float("x", 0, 1)
-    trial.set_user_attr(RUN_ATTR, {"worker": worker, "host": worker.rpartition(":")[0]})
-    if beat is not None:
-        study._storage.set_trial_system_attr(trial._trial_id, SYS_HEARTBEAT, beat)
+def frozen(worker: str, beat_age: float | None, number: int = 0) -> object:
+    """A RUNNING trial claimed by ``worker``, last beaten ``beat_age`` seconds ago."""
+    trial = create_trial(state=TrialState.RUNNING, params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)},
+                         system_attrs={SYS_RUN: {"worker": worker}} | (
+                             {} if beat_age is None else {SYS_HEARTBEAT: time.time() - beat_age}))
+    trial.number = number
+    trial.datetime_start = datetime.datetime.now() - datetime.timedelta(seconds=3600)
     return trial
 
 
-@pytest.mark.parametrize(("worker", "beat_age", "stale"), [
-    pytest.param("HOST:SELF", 10_000, False, id="this-process-never"),
-    pytest.param("HOST:DEAD", 0, True, id="dead-process-on-this-host"),
-    pytest.param("elsewhere:12", 1, False, id="other-host-recent-beat"),
-    pytest.param("elsewhere:12", STALE_AFTER_BEATS * 2 + 1, True, id="other-host-old-beat"),
+@pytest.mark.parametrize(("worker", "beat_age", "mine", "judge", "stale"), [
+    pytest.param("ME", 10_000, {0}, True, False, id="mine-never"),
+    pytest.param("ME", 0, set(), True, True, id="my-orphan"),
+    pytest.param("DEAD", 0, set(), False, True, id="dead-process-on-this-host"),
+    pytest.param("elsewhere:12", 1, set(), True, False, id="other-host-recent-beat"),
+    pytest.param("elsewhere:12", STALE_AFTER_BEATS + 1, set(), True, True, id="other-host-old-beat"),
+    pytest.param("elsewhere:12", STALE_AFTER_BEATS + 1, set(), False, False, id="not-judged-after-an-outage"),
+    pytest.param("elsewhere:12", None, set(), True, True, id="never-beaten-old-start"),
 ])
-def test_is_stale(worker: str, beat_age: float, stale: bool) -> None:
-    study = optuna.create_study()
-    worker = worker.replace("HOST", HOST).replace("SELF", str(os.getpid())).replace("DEAD", str(dead_pid()))
-    trial = running(study, worker, time.time() - beat_age)
-    frozen = study.get_trials(deepcopy=False)[trial.number]
-    assert is_stale(frozen, time.time(), heartbeat_s=2.0) is stale
+def test_is_stale(worker: str, beat_age: float | None, mine: set[int], judge: bool, stale: bool) -> None:
+    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}"}.get(worker, worker)
+    assert is_stale(frozen(worker, beat_age), time.time(), 1.0, ME, mine, judge) is stale  # type: ignore[arg-type]
 
 
-def test_fail_stale_trials_records_lost_and_retries_once() -> None:
-    study = optuna.create_study()
-    lost = running(study, f"{HOST}:{dead_pid()}", None)
-    alive = running(study, f"{HOST}:{os.getpid()}", time.time())
-    assert fail_stale_trials(study, heartbeat_s=1.0, retries_allowed=1) == [lost.number]
-    rows = {row.number: row for row in trial_rows(study)}
-    assert rows[lost.number].state == "LOST" and rows[lost.number].reason == "lost: its worker stopped"
-    assert rows[alive.number].state == "RUNNING"
-    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    assert len(waiting) == 1 and waiting[0].system_attrs[SYS_RETRY_OF] == lost.number
-    assert waiting[0].params == study.get_trials(deepcopy=False)[lost.number].params
-    assert counted_trials(study.get_trials(deepcopy=False)) == 1
+def make(tmp_path: Path, write_scenario: WriteScenario) -> Scheduler:
+    scenario = load_scenario(write_scenario(tmp_path, search={"method": "monte_carlo", "trials": 3, "seed": 1},
+                                            resources={"heartbeat": 1}))
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/study.db")
+    return Scheduler(store, designs.design_points(scenario), 3, tmp_path / "w", 1)
 
 
-def test_retry_respects_the_allowance_and_always_does_not_count() -> None:
-    study = optuna.create_study()
-    trial = study.ask()
-    trial.suggest_float("x", 0, 1)
-    study.tell(trial, state=TrialState.FAIL)
-    failed = study.get_trials(deepcopy=False)[0]
-    assert not retry(study, failed, allowed=0)
-    assert retry(study, failed, allowed=0, always=True)
-    assert study.get_trials(deepcopy=False)[-1].system_attrs[SYS_RETRIES] == 0
-    assert retry(study, failed, allowed=1)
-    assert study.get_trials(deepcopy=False)[-1].system_attrs[SYS_RETRIES] == 1
+def claim_as(scheduler: Scheduler, worker: str, started: bool) -> Claim:
+    """Claim a trial, then make it look claimed by ``worker`` (started or not)."""
+    with scheduler.store.lock():
+        c = scheduler.claim(set())
+    assert isinstance(c, Claim)
+    scheduler.store.set_system(c.number, SYS_RUN, {"worker": worker, "host": worker.rpartition(":")[0]})
+    if started:
+        scheduler.store.set_system(c.number, SYS_STARTED, {"slot": 0, "folder": str(c.folder)})
+    return c
+
+
+def recover(scheduler: Scheduler, tmp_path: Path) -> list[int]:
+    with scheduler.store.lock():
+        return recover_stale(scheduler.store, tmp_path / "w", ME, set())
+
+
+def test_a_started_trial_of_a_dead_worker_is_lost_and_queued_again(tmp_path: Path,
+                                                                   write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
+    assert recover(scheduler, tmp_path) == [c.number]
+    rows = scheduler.store.rows()
+    assert rows[0].outcome is Outcome.LOST and rows[0].reason == "lost: its worker stopped"
+    assert rows[1].outcome is Outcome.WAITING and rows[1].requeue_of == 0 and rows[1].lost_count == 1
+    assert rows[1].params == rows[0].params and rows[1].design_index == 0
+    assert recover(scheduler, tmp_path) == []
+
+
+def test_a_claim_that_never_started_goes_back_to_the_queue(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=False)
+    recover(scheduler, tmp_path)
+    assert scheduler.store.trial(c.number).state == TrialState.WAITING
+    assert len(scheduler.store.rows()) == 1
+
+
+def test_a_result_left_in_the_folder_is_recorded(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
+    c.folder.mkdir(parents=True)
+    _save(c.folder, c.number, TrialResult(Outcome.COMPLETE, 0.125, {"test_error": 0.25}, 3.0))
+    recover(scheduler, tmp_path)
+    row = scheduler.store.rows()[0]
+    assert (row.outcome, row.value, dict(row.held_out), row.duration_s) == (
+        Outcome.COMPLETE, 0.125, {"test_error": 0.25}, 3.0)
+    assert len(scheduler.store.rows()) == 1
+
+
+def test_a_configuration_lost_three_times_fails(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    for _ in range(LOST_LIMIT):
+        claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
+        recover(scheduler, tmp_path)
+    rows = scheduler.store.rows()
+    assert [r.outcome for r in rows] == [Outcome.LOST, Outcome.LOST, Outcome.FAIL]
+    assert rows[2].reason.startswith("lost 3 times")
+    assert len({r.params["x"] for r in rows}) == 1

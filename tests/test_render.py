@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 
 from hpo.errors import InputError
-from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder
+from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder, write_files
 from hpo.scenario import Scenario, load_scenario
 
 WriteScenario = Callable[..., Path]
@@ -27,6 +27,14 @@ def _renderer(tmp_path: Path, write_scenario: WriteScenario, templates: dict[str
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     path = write_scenario(folder, template=list(templates), template_text=None, **overrides)
     return Renderer(load_scenario(path))
+
+
+def _render(renderer: Renderer, folder: Path, number: int, params: dict[str, Any], argv: list[str],
+            seed: int | None = None) -> tuple[str, ...]:
+    """Render the trial's files and write them into ``folder``, as an executor does; return their names."""
+    files = renderer.files(number, folder, params, argv, seed)
+    write_files(folder, files)
+    return tuple(file.name for file in files)
 
 
 def test_trial_folder_name(tmp_path: Path) -> None:
@@ -48,11 +56,9 @@ def test_templates_render(tmp_path: Path, write_scenario: WriteScenario, syntax:
                           expected: str) -> None:
     renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": text}, syntax=syntax)
     folder = tmp_path / "work" / "trial-0003"
-    trial = renderer.render(folder, 3, {"x": 0.25, "opt": "adam"}, ["python", "train.py"])
+    names = _render(renderer, folder, 3, {"x": 0.25, "opt": "adam"}, ["python", "train.py"])
     assert (folder / "train.py").read_text() == expected.replace("{folder}", str(folder))
-    assert trial.folder == folder
-    assert trial.files == ("train.py",)
-    assert trial.params == {"x": 0.25, "opt": "adam"}
+    assert names == ("train.py", PARAMS_FILE, COMMAND_FILE) and renderer.names == ("train.py",)
 
 
 def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -64,7 +70,7 @@ def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScen
 @pytest.mark.parametrize("suffix", [".j2", ".jinja", ".jinja2", ".tmpl"])
 def test_rendered_suffixes_are_stripped(tmp_path: Path, write_scenario: WriteScenario, suffix: str) -> None:
     renderer = _renderer(tmp_path, write_scenario, {f"conf.yaml{suffix}": "x: {{ x }}\n"})
-    renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
+    _render(renderer, tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
     assert (tmp_path / "t" / "conf.yaml").read_text() == "x: 1\n"
 
 
@@ -75,17 +81,17 @@ def test_other_files_are_copied_verbatim(tmp_path: Path, write_scenario: WriteSc
                          {"train.py.j2": "{{ x }}", "helper.py": raw, "weights.bin": blob, "run.sh": "#!/bin/sh\n"})
     (tmp_path / "sc" / "run.sh").chmod(0o755)
     folder = tmp_path / "t"
-    trial = renderer.render(folder, 0, {"x": 1, "opt": "a"}, ["./run.sh"])
+    names = _render(renderer, folder, 0, {"x": 1, "opt": "a"}, ["./run.sh"])
     assert (folder / "helper.py").read_text() == raw
     assert (folder / "weights.bin").read_bytes() == blob
     assert os.stat(folder / "run.sh").st_mode & stat.S_IXUSR
-    assert trial.files == ("train.py", "helper.py", "weights.bin", "run.sh")
+    assert names[:4] == ("train.py", "helper.py", "weights.bin", "run.sh")
 
 
 def test_rendered_template_keeps_its_mode(tmp_path: Path, write_scenario: WriteScenario) -> None:
     renderer = _renderer(tmp_path, write_scenario, {"run.sh.j2": "#!/bin/sh\necho {{ x }}\n"})
     (tmp_path / "sc" / "run.sh.j2").chmod(0o755)
-    renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["./run.sh"])
+    _render(renderer, tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["./run.sh"])
     assert os.stat(tmp_path / "t" / "run.sh").st_mode & stat.S_IXUSR
 
 
@@ -93,8 +99,9 @@ def test_params_json_and_command_txt(tmp_path: Path, write_scenario: WriteScenar
     renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ x }}"})
     folder = tmp_path / "t"
     argv = ["/usr/bin/python3", "train.py", "--opt", "a b", "--x", "0.5"]
-    renderer.render(folder, 4, {"x": 0.5, "opt": "a b"}, argv)
-    assert json.loads((folder / PARAMS_FILE).read_text()) == {"trial": 4, "params": {"x": 0.5, "opt": "a b"}}
+    _render(renderer, folder, 4, {"x": 0.5, "opt": "a b"}, argv)
+    assert json.loads((folder / PARAMS_FILE).read_text()) == {"trial": 4, "params": {"x": 0.5, "opt": "a b"},
+                                                              "trial_seed": 5}
     command = (folder / COMMAND_FILE).read_text()
     assert command.endswith("\n")
     assert shlex.split(command) == argv
@@ -121,7 +128,7 @@ def test_undefined_variables_name_file_and_line(tmp_path: Path, write_scenario: 
                                                 text: str, message: str) -> None:
     renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": text}, syntax=syntax)
     with pytest.raises(InputError) as info:
-        renderer.render(tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
+        _render(renderer, tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["python"])
     assert str(info.value) == message
     assert not (tmp_path / "t").exists()
 
@@ -161,5 +168,6 @@ def test_context_has_reserved_names(tmp_path: Path, write_scenario: WriteScenari
     renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": ""}, search={"seed": 9})
     scenario: Scenario = renderer.scenario
     assert renderer.context(2, tmp_path, {"x": 1}) == {"x": 1, "trial_number": 2, "trial_dir": str(tmp_path),
-                                                       "seed": scenario.search.seed}
+                                                       "seed": 9, "trial_seed": 11}
+    assert renderer.context(2, tmp_path, {"x": 1}, seed=5)["trial_seed"] == 5
     assert scenario.search.seed == 9

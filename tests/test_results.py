@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hpo.results import MetricParser, Metrics, judge, parse_smac_line, parse_text, report
+from hpo.results import MetricParser, Metrics, parse_smac_line, parse_text, report
 
 NAN = float("nan")
 INF = float("inf")
@@ -191,48 +191,6 @@ def test_report_is_silent_off_rank_zero(rank: str, capsys: pytest.CaptureFixture
 def _metrics(text: str) -> Metrics:
     """Parse ``text`` with ``val_error`` as the SMAC quality name."""
     return parse_text(text, "val_error")
-
-
-@pytest.mark.parametrize(
-    ("text", "exit_code", "state", "value", "held_out", "reason"),
-    [
-        pytest.param("val_error=0.2 test_error=0.3", 0, "COMPLETE", 0.2, {"test_error": 0.3}, "", id="complete"),
-        pytest.param("val_error=0.2", 0, "COMPLETE", 0.2, {}, "", id="complete-no-held-out"),
-        pytest.param("val_error=0.2 test_error=0.3", 1, "FAIL", None, {"test_error": 0.3}, "exit code 1",
-                     id="exit-code"),
-        pytest.param("val_error=0.2", -9, "FAIL", None, {}, "exit code -9", id="killed"),
-        pytest.param("hello world\nloss 3", 0, "FAIL", None, {}, "val_error was never reported", id="missing"),
-        pytest.param("test_error=0.3", 0, "FAIL", None, {"test_error": 0.3}, "val_error was never reported",
-                     id="missing-held-out-kept"),
-        pytest.param("val_error=nan test_error=0.1", 0, "FAIL", None, {"test_error": 0.1}, "val_error is nan",
-                     id="nan"),
-        pytest.param("val_error=inf", 0, "FAIL", None, {}, "val_error is inf", id="inf"),
-        pytest.param('{"val_error": -Infinity}', 0, "FAIL", None, {}, "val_error is -inf", id="minus-inf"),
-        pytest.param("val_error=abc", 0, "FAIL", None, {}, "val_error is not a number: abc", id="non-number"),
-        pytest.param('{"val_error": "low"}', 0, "FAIL", None, {}, 'val_error is not a number: "low"',
-                     id="non-number-json"),
-        pytest.param("val_error=0.2 test_error=nan", 0, "COMPLETE", 0.2, {}, "", id="held-out-nan-dropped"),
-        pytest.param("Result of this algorithm run: UNSAT, 1, 0, 0.5, 1", 0, "FAIL", None, {},
-                     "trial reported UNSAT", id="unsat"),
-        pytest.param("test_error=0.4\nResult of this algorithm run: CRASHED, 1, 0, 0, 1, CUDA out of memory", 1,
-                     "FAIL", None, {"test_error": 0.4}, "trial reported CRASHED: CUDA out of memory", id="crashed"),
-        pytest.param("Result of this algorithm run: TIMEOUT, 9, 0, 0, 1", 0, "FAIL", None, {},
-                     "trial reported TIMEOUT", id="smac-timeout"),
-        pytest.param("Result of this algorithm run: SAT, 1, 0, 0.5, 1", 0, "COMPLETE", 0.5, {}, "", id="sat"),
-        pytest.param("Result of this algorithm run: SAT, 1, 0, 0.5, 1", 2, "FAIL", None, {}, "exit code 2",
-                     id="sat-but-exit-code"),
-    ],
-)
-def test_judge_verdicts(text: str, exit_code: int, state: str, value: float | None, held_out: dict[str, float],
-                        reason: str) -> None:
-    verdict = judge(_metrics(text), "val_error", ("test_error",), exit_code)
-    assert (verdict.state, verdict.value, dict(verdict.held_out), verdict.reason) == (state, value, held_out, reason)
-
-
-def test_judge_never_shows_held_out_as_the_value() -> None:
-    verdict = judge(_metrics("test_error=0.01"), "val_error", ("test_error",), 0)
-    assert verdict.state == "FAIL" and verdict.value is None
-    assert verdict.held_out == {"test_error": 0.01}
 
 
 def test_parser_snapshot_is_independent() -> None:

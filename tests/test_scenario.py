@@ -8,6 +8,7 @@ import pydantic
 import pytest
 
 from hpo.errors import InputError
+from hpo.launch import plan_slots, uses_torchrun
 from hpo.scenario import Objective, Resources, Search, load_scenario
 
 WriteScenario = Callable[..., Path]
@@ -72,8 +73,8 @@ def test_defaults(tmp_path: Path, write_scenario: WriteScenario) -> None:
     assert scenario.search.retry_failed == 0
     assert scenario.search.pruner == "none"
     assert scenario.objective == Objective(metric="val_error", direction="minimize", held_out=())
-    assert scenario.resources == Resources(parallel=1, gpus_per_trial=1, gpus=None, torchrun="auto",
-                                           timeout=None, heartbeat=10.0)
+    assert scenario.resources == Resources(parallel=1, gpus_per_trial="auto", processes_per_trial=None, gpus=None,
+                                           torchrun="auto", timeout=None, heartbeat=10.0, store_retry=300.0)
     assert scenario.default_workdir() == tmp_path.resolve() / "runs" / "demo"
     param = scenario.parameters["x"]
     assert (param.log, param.step, param.distribution, param.condition) == (False, None, "uniform", None)
@@ -101,10 +102,12 @@ def test_command_is_split_like_a_shell(tmp_path: Path, write_scenario: WriteScen
 
 @pytest.mark.parametrize(
     ("gpus_per_trial", "torchrun", "expected"),
-    [(1, "auto", False), (2, "auto", True), (1, True, True), (4, False, False)],
+    [(1, "auto", False), (2, "auto", True), (1, True, True), (4, False, False), (0.5, "auto", False)],
 )
-def test_uses_torchrun(gpus_per_trial: int, torchrun: Any, expected: bool) -> None:
-    assert Resources(gpus_per_trial=gpus_per_trial, torchrun=torchrun).uses_torchrun() is expected
+def test_uses_torchrun(gpus_per_trial: Any, torchrun: Any, expected: bool) -> None:
+    resources = Resources(gpus_per_trial=gpus_per_trial, torchrun=torchrun)
+    slot, *_ = plan_slots(resources, (0, 1, 2, 3), cpu_count=4)
+    assert uses_torchrun(resources, slot) is expected
 
 
 def test_conditions_and_constants_load(tmp_path: Path, write_scenario: WriteScenario) -> None:

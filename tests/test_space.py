@@ -86,8 +86,30 @@ def test_suggest_uses_the_same_distribution(spec: dict[str, Any], distribution: 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     trial = study.ask()
     values = space.suggest(trial, {"p": P(**spec)})
-    assert trial.distributions == {"p": distribution}
     assert distribution._contains(distribution.to_internal_repr(values["p"]))
+    if spec["type"] == "constant":
+        assert trial.distributions == {} and values == {"p": spec["value"]}  # constants are not searched
+    else:
+        assert trial.distributions == {"p": distribution}
+
+
+def test_constants_join_values_in_definition_order() -> None:
+    params = {"a": P(type="constant", value=1), "b": P(type="int", low=0, high=3),
+              "c": P(type="categorical", choices=["x", "y"]),
+              "d": P(type="constant", value="only-y", condition={"c": "y"})}
+    assert space.with_constants(params, {"c": "x", "b": 2}) == {"a": 1, "b": 2, "c": "x"}
+    assert list(space.with_constants(params, {"c": "y", "b": 2})) == ["a", "b", "c", "d"]
+    assert space.searched(params, {"a": 1, "b": 2, "c": "x"}) == {"b": 2, "c": "x"}
+
+
+def test_describe_is_plain_json() -> None:
+    import json
+
+    params = {"lr": P(type="float", low=1e-3, high=0.1, log=True), "opt": P(type="categorical", choices=["a", "b"])}
+    described = space.describe(params)
+    assert json.loads(json.dumps(described)) == described
+    assert described == {"lr": {"type": "float", "low": 0.001, "high": 0.1, "log": True},
+                         "opt": {"type": "categorical", "choices": ["a", "b"]}}
 
 
 CONDITIONAL = {

@@ -1,24 +1,19 @@
-"""The study store: storage URLs, the budget count, the ask lock and the rows shown to users."""
+"""The study store: one object over the Optuna study; the record of how trials ended, read and written in one place."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing
-import os
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import optuna
 import pytest
 from optuna.distributions import FloatDistribution
-from optuna.storages import JournalStorage, RDBStorage
 from optuna.trial import TrialState, create_trial
 
 from hpo.errors import InputError
+from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario, load_scenario
-from hpo.store import (RESULT_ATTR, RUN_ATTR, SYS_RETRY_OF, TrialRow, ask_lock, best_row, counted_trials,
-                       display_state, open_storage, open_study, storage_url, trial_row, trial_rows)
+from hpo.store import (SYS_STARTED, StudyStore, TrialRow, best_row, read_row, repeat_of, result_attrs)
 
 WriteScenario = Callable[..., Path]
 DIST = {"x": FloatDistribution(0.0, 1.0)}
@@ -36,201 +31,157 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return {"sqlite": f"sqlite:///{tmp_path}/db/study.db", "journal": f"journal:{tmp_path}/db/study.log"}[request.param]
 
 
-def test_ask_lock_leaves_optunas_journal_lock_alone(tmp_path: Path) -> None:
-    journal = tmp_path / "study.log"
-    with ask_lock(f"journal:{journal}"):
-        assert not os.path.lexists(f"{journal}.lock")
-    assert not os.path.lexists(f"{journal}.lock")
-
-
-def test_storage_url_default_and_overrides(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    scenario = load_scenario(write_scenario(tmp_path))
-    assert storage_url(scenario) == f"sqlite:///{tmp_path.resolve()}/runs/demo/study.db"
-    assert storage_url(scenario, workdir=tmp_path / "w") == f"sqlite:///{tmp_path}/w/study.db"
-    assert storage_url(scenario, override="journal:/x.log", workdir=tmp_path / "w") == "journal:/x.log"
-    with_storage = load_scenario(write_scenario(tmp_path / "2", storage="sqlite:////tmp/other.db"))
-    assert storage_url(with_storage) == "sqlite:////tmp/other.db"
-    assert storage_url(with_storage, override="sqlite:////tmp/cli.db") == "sqlite:////tmp/cli.db"
-
-
-def test_workdir_moves_the_default_store(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    scenario = load_scenario(write_scenario(tmp_path, workdir="elsewhere"))
-    assert storage_url(scenario) == f"sqlite:///{tmp_path.resolve()}/elsewhere/study.db"
-
-
-@pytest.mark.parametrize(
-    ("url", "kind", "path"),
-    [("sqlite:///{tmp}/a/study.db", RDBStorage, "a/study.db"),
-     ("journal:{tmp}/b/study.log", JournalStorage, "b/study.log"),
-     ("journal://{tmp}/c/study.log", JournalStorage, "c/study.log")],
-)
-def test_open_storage_kinds(tmp_path: Path, url: str, kind: type, path: str) -> None:
-    storage = open_storage(url.format(tmp=tmp_path))
-    assert isinstance(storage, kind)
-    assert (tmp_path / path).is_file()
-
-
-def test_bad_url_is_an_input_error() -> None:
-    with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):
-        open_storage("nosuchdb://x")
-
-
-def test_open_study_persists_and_loads(scenario: Scenario, url: str) -> None:
-    study = open_study(scenario, url)
-    study.add_trial(create_trial(params={"x": 0.5}, distributions=DIST, value=0.25))
-    again = open_study(scenario, url, create=False)
-    assert again.study_name == "demo"
-    assert [t.value for t in again.get_trials()] == [0.25]
-
-
-def test_open_study_missing_or_wrong_direction(tmp_path: Path, write_scenario: WriteScenario, url: str) -> None:
-    scenario = load_scenario(write_scenario(tmp_path / "a"))
+def test_create_reopen_and_missing(scenario: Scenario, url: str, tmp_path: Path,
+                                   write_scenario: WriteScenario) -> None:
     with pytest.raises(InputError, match="no study named demo.*run `hpo run` first"):
-        open_study(scenario, url, create=False)
-    open_study(scenario, url)
+        StudyStore(scenario, url, create=False)
+    store = StudyStore(scenario, url)
+    store.study.add_trial(create_trial(params={"x": 0.5}, distributions=DIST, value=0.25))
+    again = StudyStore(scenario, url, create=False)
+    assert [row.value for row in again.rows()] == [0.25]
     maximize = load_scenario(write_scenario(tmp_path / "b", objective={"direction": "maximize"}))
     with pytest.raises(InputError, match="objective.direction: the study demo was created to minimize, not maximize"):
-        open_study(maximize, url)
+        StudyStore(maximize, url)
 
 
-def _add(study: optuna.Study, state: TrialState, value: float | None = None,
-         user_attrs: dict[str, Any] | None = None, system_attrs: dict[str, Any] | None = None) -> None:
-    """Add a finished (or waiting) trial with x=0.5 to ``study``."""
-    study.add_trial(create_trial(state=state, value=value, params={"x": 0.5}, distributions=DIST,
-                                 user_attrs=user_attrs, system_attrs=system_attrs))
+def test_describe_makes_a_first_class_optuna_study(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    store.describe("name: demo\n")
+    study = optuna.load_study(study_name="demo", storage=store.optuna_storage)
+    assert study.metric_names == ["val_error"]
+    assert study.user_attrs["held_out"] == ["test_error"]
+    assert study.user_attrs["parameters"]["x"] == {"type": "float", "low": 0.0, "high": 1.0}
+    assert study.user_attrs["scenario"] == "name: demo\n"
 
 
-def test_counted_trials_ignores_waiting_and_superseded(scenario: Scenario, url: str) -> None:
-    study = open_study(scenario, url)
-    _add(study, TrialState.COMPLETE, 0.1)
-    _add(study, TrialState.FAIL)
-    _add(study, TrialState.PRUNED)
-    assert counted_trials(study.get_trials()) == 3
-    study.enqueue_trial({"x": 0.2})
-    assert counted_trials(study.get_trials()) == 3
-    _add(study, TrialState.WAITING, system_attrs={SYS_RETRY_OF: 1})
-    assert counted_trials(study.get_trials()) == 2
-    trial = study.ask()
-    assert trial.params == {} and trial.number == 3
-    assert counted_trials(study.get_trials()) == 3
-    retry = study.ask()
-    assert retry.number == 4
-    assert counted_trials(study.get_trials()) == 4
-    study.tell(retry, 0.05)
-    assert counted_trials(study.get_trials()) == 4
+@pytest.mark.parametrize("result", [
+    TrialResult(Outcome.COMPLETE, 0.25, {"test_error": 0.3}, 1.5),
+    TrialResult(Outcome.FAIL, None, {}, 0.2, "exit code 1: ValueError: boom"),
+    TrialResult(Outcome.PRUNED, None, {}, 0.7, "pruned at step 2", 2),
+    TrialResult(Outcome.STOPPED, None, {"test_error": 0.5}, 0.9, "stopped by the user", 3),
+    TrialResult(Outcome.TIMEOUT, None, {}, 60.0, "killed after 60 s (resources.timeout)"),
+    TrialResult(Outcome.INTERRUPTED, None, {}, 0.1, "interrupted: the sweep was stopped"),
+], ids=lambda r: r.outcome.value)
+def test_record_round_trips_as_flat_attributes(scenario: Scenario, url: str, result: TrialResult) -> None:
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.report(0.9, 2)
+    assert store.record(trial.number, result, "/w/trial-0000")
+    frozen = store.trial(trial.number)
+    expected_state = {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}
+    assert frozen.state == expected_state.get(result.outcome, TrialState.FAIL)
+    assert frozen.user_attrs == {"outcome": result.outcome.value, "reason": result.reason,
+                                 "duration_s": result.duration_s, "folder": "/w/trial-0000", **result.held_out}
+    row = store.rows()[0]
+    assert (row.outcome, row.value, dict(row.held_out), row.reason, row.folder) == (
+        result.outcome, result.value, result.held_out, result.reason, "/w/trial-0000")
+    frame = store.study.trials_dataframe()
+    assert frame.loc[0, "user_attrs_outcome"] == result.outcome.value
 
 
-def _hold_lock(url: str, held: Any, release: Any) -> None:
-    """In another process: take the ask lock, say so, and keep it until told to let go."""
-    with ask_lock(url):
-        held.set()
-        release.wait(60)
+def test_a_stopped_trial_has_no_value_in_optuna(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.report(0.01, 1)
+    store.record(trial.number, TrialResult(Outcome.STOPPED, reason="stopped by the user", step=1), "f")
+    assert store.trial(trial.number).value is None
+    assert store.study.best_trials == []
 
 
-def _wait_for(event: Any, process: Any, timeout_s: float = 60) -> bool:
-    """Wait for ``event`` while ``process`` lives; False if it died or time ran out first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.is_alive():
-        if event.wait(0.05):
-            return True
-    return event.is_set()
+def test_recording_a_trial_someone_else_ended_is_false_not_an_error(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    other = StudyStore(scenario, url, create=False)
+    assert other.end_other(trial.number, TrialResult(Outcome.LOST, reason="lost: its worker stopped"), "f")
+    assert not store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.1), "f")
+    assert store.rows()[0].outcome is Outcome.LOST
+    assert not other.end_other(trial.number, TrialResult(Outcome.LOST, reason="again"), "f")
 
 
-def test_ask_lock_serialises_processes(url: str) -> None:
-    open_storage(url)
-    context = multiprocessing.get_context("spawn")
-    held, release = context.Event(), context.Event()
-    other = context.Process(target=_hold_lock, args=(url, held, release))
-    other.start()
-    try:
-        assert _wait_for(held, other), "the other process never took the lock"
-        acquired = threading.Event()
-
-        def take() -> None:
-            with ask_lock(url):
-                acquired.set()
-
-        taker = threading.Thread(target=take)
-        taker.start()
-        assert not acquired.wait(0.5)
-        release.set()
-        taker.join(30)
-        assert acquired.is_set()
-    finally:
-        release.set()
-        other.join(30)
-    assert other.exitcode == 0
+def test_the_stale_marking_race_resolves_to_lost(scenario: Scenario, url: str) -> None:
+    """A worker's attributes land between another worker's LOST attributes and its state change:
+    Optuna's state decides, and the row says what happened."""
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    for key, value in result_attrs(TrialResult(Outcome.LOST, reason="lost: its worker stopped"), "f").items():
+        store.set_attr(trial.number, key, value)
+    for key, value in result_attrs(TrialResult(Outcome.COMPLETE, 0.1), "f").items():
+        store.set_attr(trial.number, key, value)
+    assert store._set_state(trial.number, TrialState.FAIL)
+    row = store.rows()[0]
+    assert row.outcome is Outcome.LOST and row.value is None and "another worker" in row.reason
 
 
-def test_ask_lock_serialises_threads(url: str) -> None:
-    open_storage(url)
-    inside = 0
-    most = 0
-    guard = threading.Lock()
-
-    def work() -> None:
-        nonlocal inside, most
-        with ask_lock(url):
-            with guard:
-                inside += 1
-                most = max(most, inside)
-            time.sleep(0.02)
-            with guard:
-                inside -= 1
-
-    threads = [threading.Thread(target=work) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert most == 1
+def test_claimed_but_not_started_shows_waiting_and_goes_back(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    claimed = store.ask()
+    claimed.suggest_float("x", 0.0, 1.0)
+    started = store.ask()
+    started.suggest_float("x", 0.0, 1.0)
+    store.set_system(started.number, SYS_STARTED, {"slot": 0, "gpus": "1", "folder": "/w/t1"})
+    rows = store.rows()
+    assert [r.outcome for r in rows] == [Outcome.WAITING, Outcome.RUNNING]
+    assert (rows[1].slot, rows[1].gpus, rows[1].folder) == (0, "1", "/w/t1")
+    assert store.back_to_waiting(claimed.number)
+    assert store.trial(claimed.number).state == TrialState.WAITING
+    again = store.ask()
+    assert again.number == claimed.number and again.params == claimed.params
 
 
-def test_ask_lock_is_released_on_error(url: str) -> None:
-    open_storage(url)
-    with pytest.raises(RuntimeError):
-        with ask_lock(url):
-            raise RuntimeError("boom")
-    with ask_lock(url):
-        pass
+def test_queued_copies_show_the_original_parameters(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    x = trial.suggest_float("x", 0.0, 1.0)
+    store.record(trial.number, TrialResult(Outcome.INTERRUPTED, reason="interrupted"), "f")
+    store.enqueue({"x": x}, {"requeue_of": trial.number})
+    copy = store.rows()[1]
+    assert copy.outcome is Outcome.WAITING and copy.params == {"x": x}
+    assert repeat_of(copy) == trial.number
 
 
-def test_trial_rows_and_display_state(scenario: Scenario, url: str) -> None:
-    study = open_study(scenario, url)
-    _add(study, TrialState.COMPLETE, 0.3, user_attrs={
-        RUN_ATTR: {"folder": "/w/trial-0000"},
-        RESULT_ATTR: {"held_out": {"test_error": 0.4}, "duration_s": 1.5, "reason": ""}})
-    _add(study, TrialState.FAIL, user_attrs={RESULT_ATTR: {"reason": "exit code 1"}})
-    _add(study, TrialState.PRUNED, user_attrs={RESULT_ATTR: {"outcome": "STOPPED", "reason": "stopped by the user"}})
-    study.enqueue_trial({"x": 0.9})
-    _add(study, TrialState.FAIL, user_attrs={RESULT_ATTR: {"outcome": "TIMEOUT"}}, system_attrs={SYS_RETRY_OF: 1})
-    running = study.ask()
-    rows = trial_rows(study)
-    assert [row.number for row in rows] == [0, 1, 2, 3, 4]
-    by_number = {row.number: row for row in rows}
-    assert by_number[0] == TrialRow(0, "COMPLETE", {"x": 0.5}, 0.3, {"test_error": 0.4}, 1.5, "/w/trial-0000", "")
-    assert (by_number[1].state, by_number[1].value, by_number[1].reason) == ("FAIL", None, "exit code 1")
-    assert (by_number[2].state, by_number[2].reason) == ("STOPPED", "stopped by the user")
-    assert (by_number[4].state, by_number[4].retry_of) == ("TIMEOUT", 1)
-    assert by_number[running.number].state == "RUNNING"
-    assert by_number[running.number].value is None
-    states = {t.number: display_state(t) for t in study.get_trials()}
-    assert states[2] == "STOPPED" and states[1] == "FAIL" and states[0] == "COMPLETE"
+def test_rows_add_constants_and_read_older_studies(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, parameters={"epochs": {"type": "constant", "value": 3}}))
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    store.study.add_trial(create_trial(
+        state=TrialState.COMPLETE, value=0.3, params={"x": 0.5}, distributions=DIST,
+        user_attrs={"run": {"folder": "/w/trial-0000"},
+                    "result": {"held_out": {"test_error": 0.4}, "duration_s": 1.5, "reason": ""}}))
+    store.study.add_trial(create_trial(
+        state=TrialState.PRUNED, params={"x": 0.5}, distributions=DIST,
+        user_attrs={"result": {"outcome": "STOPPED", "reason": "stopped by the user"}},
+        system_attrs={"hpo:retry_of": 0, "hpo:design_index": 4}))
+    old, stopped = store.rows()
+    assert old == TrialRow(0, Outcome.COMPLETE, {"x": 0.5, "epochs": 3}, 0.3, {"test_error": 0.4}, 1.5,
+                           "/w/trial-0000", "")
+    assert (stopped.outcome, stopped.reason, stopped.retry_of, stopped.design_index) == (
+        Outcome.STOPPED, "stopped by the user", 0, 4)
 
 
-def test_trial_rows_are_ordered_by_number(scenario: Scenario, url: str) -> None:
-    study = open_study(scenario, url)
-    for value in (0.3, 0.1, 0.2):
-        _add(study, TrialState.COMPLETE, value)
-    assert [row.number for row in trial_rows(study)] == [0, 1, 2]
-
-
-def test_trial_row_duration_falls_back_to_timestamps() -> None:
+def test_duration_falls_back_to_timestamps() -> None:
     start = datetime.datetime(2024, 1, 1, 12, 0, 0)
     trial = create_trial(state=TrialState.COMPLETE, value=1.0, params={"x": 0.5}, distributions=DIST)
     trial.datetime_start = start
     trial.datetime_complete = start + datetime.timedelta(seconds=7.5)
-    assert trial_row(trial).duration_s == 7.5
+    assert read_row(trial).duration_s == 7.5
+
+
+def test_stop_requests(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    other = StudyStore(scenario, url, create=False)
+    assert not store.stop_requested(trial.number)
+    other.request_stop(trial.number)
+    assert store.stop_requested(trial.number)
+    store.record(trial.number, TrialResult(Outcome.STOPPED, reason="stopped by the user"), "f")
+    with pytest.raises(InputError, match="trial 0: it is STOPPED, not running"):
+        other.request_stop(trial.number)
+    with pytest.raises(InputError, match="trial 9: no such trial in study demo"):
+        other.request_stop(9)
 
 
 @pytest.mark.parametrize(
@@ -244,6 +195,8 @@ def test_trial_row_duration_falls_back_to_timestamps() -> None:
     ],
 )
 def test_best_row(values: list[float | None], direction: str, best: int | None) -> None:
-    rows = [TrialRow(i, "COMPLETE" if v is not None else "FAIL", {}, v, {}, None, "", "") for i, v in enumerate(values)]
+    rows = [TrialRow(i, Outcome.COMPLETE if v is not None else Outcome.FAIL, {}, v, {}, None, "", "")
+            for i, v in enumerate(values)]
     found = best_row(rows, direction)
     assert (found.number if found else None) == best
+

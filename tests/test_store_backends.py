@@ -16,10 +16,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.engine import request_stop
 from hpo.errors import InputError
+from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario, load_scenario
-from hpo.store import RESULT_ATTR, RUN_ATTR, SYS_STOP, ask_lock, open_study, trial_rows
+from hpo.storage import ask_lock
+from hpo.store import SYS_STOP, StudyStore
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES = os.environ.get("HPO_TEST_POSTGRES_URL")
@@ -56,14 +57,11 @@ def make_scenario(tmp_path: Path, trials: int = 4, method: str = "monte_carlo") 
 
 def test_create_then_reopen(backend: str, tmp_path: Path) -> None:
     scenario = make_scenario(tmp_path)
-    study = open_study(scenario, backend)
-    trial = study.ask()
+    store = StudyStore(scenario, backend)
+    trial = store.ask()
     trial.suggest_float("x", 0, 1)
-    trial.set_user_attr(RUN_ATTR, {"folder": "/f"})
-    trial.set_user_attr(RESULT_ATTR, {"held_out": {"test_error": 0.2}, "duration_s": 1.0, "reason": "", "outcome": None})
-    study.tell(trial, 0.1)
-    again = open_study(scenario, backend, create=False)
-    rows = trial_rows(again)
+    assert store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.1, {"test_error": 0.2}, 1.0), "/f")
+    rows = StudyStore(scenario, backend, create=False).rows()
     assert len(rows) == 1
     assert rows[0].state == "COMPLETE" and rows[0].value == 0.1
     assert rows[0].held_out == {"test_error": 0.2} and rows[0].folder == "/f"
@@ -72,16 +70,17 @@ def test_create_then_reopen(backend: str, tmp_path: Path) -> None:
 def test_a_missing_study_is_bad_input(backend: str, tmp_path: Path) -> None:
     scenario = make_scenario(tmp_path)
     with pytest.raises(InputError, match="no study named contract-"):
-        open_study(scenario, backend, create=False)
+        StudyStore(scenario, backend, create=False)
 
 
 def test_stop_request_reaches_another_connection(backend: str, tmp_path: Path) -> None:
     scenario = make_scenario(tmp_path)
-    study = open_study(scenario, backend)
-    trial = study.ask()
-    request_stop(open_study(scenario, backend, create=False), trial.number)
-    seen = open_study(scenario, backend, create=False).get_trials(deepcopy=False)[0]
+    store = StudyStore(scenario, backend)
+    trial = store.ask()
+    StudyStore(scenario, backend, create=False).request_stop(trial.number)
+    seen = StudyStore(scenario, backend, create=False).trial(trial.number)
     assert SYS_STOP in seen.system_attrs and seen.state == TrialState.RUNNING
+    assert store.stop_requested(trial.number)
 
 
 def test_ask_lock_is_reentrant_across_studies(backend: str, tmp_path: Path) -> None:
@@ -100,7 +99,7 @@ def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method
                                 text=True) for seed in (1, 2)]
     outputs = [worker.communicate(timeout=180)[0] for worker in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
-    rows = trial_rows(open_study(scenario, backend, create=False))
+    rows = StudyStore(scenario, backend, create=False).rows()
     assert len(rows) == 9 and all(r.state == "COMPLETE" for r in rows)
     assert len({r.params["x"] for r in rows}) == 9
     assert all(r.held_out["test_error"] == pytest.approx(r.value / 2, rel=1e-6) for r in rows)

@@ -54,7 +54,7 @@ def test_three_workers_share_one_study(tmp_path: Path, method: str) -> None:
     path = branin(tmp_path, method, trials=24)
     run = hpo("run", str(path), "--workers", "3")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "24/24 trials finished (24 complete)" in run.stdout
+    assert "24/24 trials done: 24 complete." in run.stdout
     results = rows(path)
     assert len(results) == 24 and all(r["state"] == "COMPLETE" for r in results)
     assert len({(r["x"], r["y"]) for r in results}) == 24
@@ -69,7 +69,7 @@ def test_monte_carlo_study_continues_with_smac(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("method: monte_carlo, trials: 10", "method: smac, trials: 30"))
     run = hpo("run", str(path))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "10 of 30 trials already finished" in run.stdout
+    assert "10 of 30 trials done before this run" in run.stdout
     results = rows(path)
     assert results[:10] == first and len(results) == 30
     best_random = min(float(r["val_error"]) for r in first)

@@ -1,0 +1,213 @@
+"""Running one trial: the executor interface, the local executor, and the judge.
+
+An :class:`Executor` takes a :class:`TrialSpec` (everything a trial needs, rendered in
+memory) and a :class:`TrialControl` (the sweep's side of a running trial: intermediate
+values in, stop requests out) and returns a :class:`hpo.outcome.TrialResult`. It never
+raises for a trial's own failure: a crash, a timeout, a missing metric are results. The
+local executor runs the trial's process tree on this machine; :mod:`hpo.dask_executor`
+runs the same :func:`run_trial` inside a Dask worker.
+
+:func:`run_trial` writes the folder, runs the command (``CUDA_VISIBLE_DEVICES`` from the
+slot, ``OMP_NUM_THREADS``, the trial's token), streams its output to ``trial.log`` and the
+metric parser, runs ``objective.post_process`` if set, judges the outcome and writes it to
+``result.json`` in the folder: the backup of record when the store cannot be reached.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import re
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
+
+from hpo.launch import Slot, run_process, this_python, trial_env
+from hpo.outcome import Outcome, TrialResult
+from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
+from hpo.results import MetricParser, Metrics, last_error_line, out_of_gpu_memory
+from hpo.scenario import Objective
+
+TAIL_LINES = 200
+SMAC_OK_STATUSES = frozenset({"SAT", "SUCCESS"})
+_TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One trial, ready to run anywhere.
+
+    Args:
+        number: the trial number.
+        params: its parameter values (constants included).
+        folder: its folder on the machine of the sweep.
+        files: what the folder holds before the run (rendered templates, params.json, command.txt).
+        argv: the command as an argument list (under torchrun if it has several processes).
+        env: extra environment of its processes (the scenario's ``env`` and ``HPO_*`` values).
+        slot: the task slot it runs on (GPUs, processes, threads).
+        token: marks its processes, so that orphans can be found and killed.
+        timeout: seconds before its process tree is killed (None: no limit).
+        objective: how its output is read and judged.
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    folder: Path
+    files: tuple[TrialFile, ...]
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    slot: Slot
+    token: str
+    timeout: float | None
+    objective: Objective
+
+
+class TrialControl(Protocol):
+    """The sweep's side of a running trial; called from the thread that runs it."""
+
+    def started(self, gpus: Sequence[int]) -> None:
+        """The trial's process started, on these GPU ids (empty on CPU)."""
+
+    def intermediate(self, step: int, value: float) -> bool:
+        """An intermediate objective value at ``step``; True when the trial should be pruned."""
+
+    def end_request(self) -> str | None:
+        """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
+
+
+class Executor(Protocol):
+    """Runs trials; :meth:`run` may be called from several slot threads at once."""
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        """Run ``spec`` to its end and judge it; a trial's failure is a result, never raised."""
+
+    def close(self) -> None:
+        """Release what the executor holds (called once, when the sweep ends)."""
+
+
+class LocalExecutor:
+    """Runs each trial's process tree on this machine, in the trial's folder."""
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        """See :class:`Executor`."""
+        return run_trial(spec, control, spec.folder)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResult:
+    """Write ``spec``'s files into ``folder``, run it there, judge it, write ``result.json``."""
+    write_files(folder, spec.files)
+    objective = spec.objective
+    parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    prune = False
+
+    def on_line(line: str) -> None:
+        nonlocal prune
+        tail.append(line.rstrip("\n"))
+        reported = parser.feed(line)
+        if reported is not None and reported.step is not None and objective.metric in reported.values:
+            prune = control.intermediate(reported.step, reported.values[objective.metric]) or prune
+
+    def should_end() -> str | None:
+        return control.end_request() or ("pruned" if prune else None)
+
+    env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
+    control.started(spec.slot.gpus)
+    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_line, should_end)
+    metrics = parser.metrics()
+    duration = process.duration_s
+    if objective.post_process and process.exit_code == 0 and process.ended_by is None:
+        post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, spec.timeout,
+                           on_line, control.end_request)
+        duration += post.duration_s
+        if post.exit_code != 0 or post.ended_by is not None:
+            cause = post.ended_by or f"post_process exit code {post.exit_code}"
+            return _save(folder, spec.number, TrialResult(Outcome.FAIL, duration_s=duration,
+                                                          reason=_with_line(cause, tail)))
+        metrics = parser.metrics()
+    result = judge(metrics, objective, process.exit_code, process.ended_by, list(tail), duration, spec.timeout)
+    return _save(folder, spec.number, result)
+
+
+def _with_line(cause: str, tail: Sequence[str]) -> str:
+    line = last_error_line(tail)
+    return f"{cause}: {line}" if line else cause
+
+
+def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str | None,
+          tail: Sequence[str], duration_s: float, timeout: float | None) -> TrialResult:
+    """Decide how a finished trial ended (the one place where outcomes are judged).
+
+    Args:
+        metrics: what its output reported.
+        objective: the metric, held-out metrics and direction.
+        exit_code: its exit code (negative: killed by that signal).
+        ended_by: what ended it early: ``timeout``, ``pruned``, ``stopped``, ``interrupted``,
+            ``cannot start ...``, or None when it exited by itself.
+        tail: its last output lines, for the reason's error line.
+        duration_s: seconds it ran.
+        timeout: the time limit it had.
+    """
+    kept = {name: metrics.final[name] for name in objective.held_out
+            if name in metrics.final and math.isfinite(metrics.final[name])}
+    step = metrics.intermediate[-1][0] if metrics.intermediate else None
+
+    def ended(outcome: Outcome, reason: str, value: float | None = None) -> TrialResult:
+        return TrialResult(outcome, value, kept, duration_s, reason, step)
+
+    if ended_by == "timeout":
+        return ended(Outcome.TIMEOUT, f"killed after {timeout:g} s (resources.timeout)")
+    if ended_by == "pruned":
+        return ended(Outcome.PRUNED, f"pruned at step {step}")
+    if ended_by == "stopped":
+        return ended(Outcome.STOPPED, "stopped by the user")
+    if ended_by == "interrupted":
+        return ended(Outcome.INTERRUPTED, "interrupted: the sweep was stopped; it runs again on resume")
+    if ended_by is not None:
+        return ended(Outcome.FAIL, ended_by)
+    oom = out_of_gpu_memory(tail)
+    if oom is not None:
+        return ended(Outcome.FAIL, f"out of GPU memory: {oom}")
+    if exit_code == -signal.SIGKILL or (exit_code != 0 and any(_TORCHRUN_SIGKILL.search(x) for x in tail)):
+        return ended(Outcome.FAIL, "killed by SIGKILL (out of host memory?)")
+    if exit_code < 0:
+        return ended(Outcome.FAIL, _with_line(f"killed by {signal.Signals(-exit_code).name}", tail))
+    if metrics.smac_status is not None and metrics.smac_status not in SMAC_OK_STATUSES:
+        extra = f": {metrics.smac_extra}" if metrics.smac_extra else ""
+        return ended(Outcome.FAIL, f"trial reported {metrics.smac_status}{extra}")
+    if exit_code != 0:
+        return ended(Outcome.FAIL, _with_line(f"exit code {exit_code}", tail))
+    metric = objective.metric
+    if metric not in metrics.final:
+        if metric in metrics.invalid:
+            return ended(Outcome.FAIL, f"{metric} is not a number: {metrics.invalid[metric]}")
+        return ended(Outcome.FAIL, _with_line(f"{metric} was never reported", tail))
+    value = metrics.final[metric]
+    if not math.isfinite(value):
+        return ended(Outcome.FAIL, f"{metric} is {value}")
+    return ended(Outcome.COMPLETE, "", value)
+
+
+def _save(folder: Path, number: int, result: TrialResult) -> TrialResult:
+    """Write ``result`` to the folder's ``result.json`` (atomically) and return it."""
+    record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
+    temporary = folder / f".{RESULT_FILE}.tmp"
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    temporary.replace(folder / RESULT_FILE)
+    return result
+
+
+def saved_result(folder: Path, number: int) -> TrialResult | None:
+    """The result that trial ``number`` wrote to its folder, or None (absent, other trial, unreadable)."""
+    try:
+        record = json.loads((folder / RESULT_FILE).read_text())
+        if record.pop("trial") != number:
+            return None
+        record["outcome"] = Outcome(record["outcome"])
+        return TrialResult(**record)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,165 @@
+"""Which trial a slot runs next: claims, the budget, the design queue and re-runs.
+
+The budget is ``search.trials`` for the whole study, all workers and runs together. A
+trial uses it when it ended on its own merits (COMPLETE, FAIL, PRUNED, STOPPED, TIMEOUT),
+runs, or waits in the queue; a failed trial that was retried (``search.retry_failed``) and
+a trial whose configuration runs again because it was LOST or INTERRUPTED do not, nor do
+reruns (``hpo rerun``). Re-runs are queued as WAITING trials with the same parameters and
+are claimed before anything new. A design's next point is its first point that no trial
+covers yet, so every point runs exactly once whatever crashed in between.
+
+Claims happen under the store's ask lock, so workers on any number of machines never
+exceed the budget.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Container
+
+import optuna
+from optuna.trial import TrialState
+
+from hpo import space
+from hpo.outcome import Outcome, TrialResult
+from hpo.render import trial_folder, trial_seed
+from hpo.store import (ATTR_DESIGN_INDEX, ATTR_LOST_COUNT, ATTR_REQUEUE_OF, ATTR_RERUN_OF, ATTR_RETRIES,
+                       ATTR_RETRY_OF, SYS_RUN, StudyStore, TrialRow)
+
+HOST = socket.gethostname()
+WAIT = "wait"
+
+
+def worker_id() -> str:
+    """This process as a worker: ``host:pid``."""
+    return f"{HOST}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A trial a slot has claimed: its number, parameter values (constants included), the
+    Optuna trial (for intermediate values), its folder, its process token and its
+    ``trial_seed``."""
+
+    number: int
+    params: dict[str, Any]
+    trial: optuna.Trial
+    folder: Path
+    token: str
+    seed: int
+
+
+def budget_used(rows: list[TrialRow]) -> int:
+    """How much of ``search.trials`` the rows use (see the module docstring)."""
+    superseded = {r.retry_of for r in rows if r.retry_of is not None}
+    return sum(1 for r in rows if r.rerun_of is None and r.number not in superseded
+               and (r.outcome.own or not r.outcome.ended))
+
+
+def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any) -> bool:
+    """Queue ``row``'s configuration again (once: False if a copy of it exists already).
+
+    The copy keeps the design index and rerun mark and records ``requeue_of`` (or the
+    ``attrs`` given, e.g. ``retry_of``). Call under the ask lock.
+    """
+    if any(row.number in (r.requeue_of, r.retry_of) for r in rows):
+        return False
+    copy = {ATTR_REQUEUE_OF: row.number, ATTR_LOST_COUNT: row.lost_count, ATTR_RETRIES: row.retries}
+    for name, value in ((ATTR_DESIGN_INDEX, row.design_index), (ATTR_RERUN_OF, row.rerun_of)):
+        if value is not None:
+            copy[name] = value
+    copy.update(attrs)
+    store.enqueue(space.searched(store.scenario.parameters, row.params), copy)
+    return True
+
+
+class Scheduler:
+    """Claims trials for one worker's slots and settles how they ended.
+
+    Args:
+        store: the study store.
+        design: every point of a design of experiments, or None for model-based methods.
+        budget: ``search.trials``.
+        workdir: where trial folders go.
+        seed: this worker's seed (recorded on its claims).
+    """
+
+    def __init__(self, store: StudyStore, design: list[dict[str, Any]] | None, budget: int,
+                 workdir: Path, seed: int) -> None:
+        self.store = store
+        self.budget = budget
+        self._design = design
+        self._workdir = workdir
+        self._seed = seed
+        self.worker = worker_id()
+
+    def claim(self, mine: Container[int]) -> Claim | str | None:
+        """The next trial for a slot; :data:`WAIT` while only other workers' running trials
+        stand between the study and its budget (they may need a re-run); None when done.
+        Call under the ask lock; ``mine`` are this worker's running trials."""
+        store = self.store
+        trials = store.trials()
+        queued = any(t.state == TrialState.WAITING for t in trials)
+        if not queued:
+            rows = store.rows(trials)
+            others = any(not r.outcome.ended and r.number not in mine for r in rows)
+            if budget_used(rows) >= self.budget:
+                return WAIT if others else None
+            if self._design is not None:
+                index = self._next_point(rows)
+                if index is None:
+                    return WAIT if others else None
+                point = self._design[index]
+                store.enqueue(space.searched(store.scenario.parameters, point), {ATTR_DESIGN_INDEX: index})
+        return self._claimed(store.ask(), None)
+
+    def _claimed(self, trial: optuna.Trial, seed: int | None) -> Claim:
+        store = self.store
+        params = store.call(space.suggest, trial, store.scenario.parameters)
+        token = f"{store.scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
+        store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
+                                                 "seed": self._seed})
+        if seed is None:
+            seed = trial_seed(store.scenario.search.seed, trial.number)
+        return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed)
+
+    def claim_rerun(self, original: TrialRow, seed: int) -> Claim:
+        """A new trial that runs ``original``'s configuration again with ``trial_seed``
+        ``seed``, marked ``rerun_of`` (it uses no budget). Call under the ask lock."""
+        store = self.store
+        store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
+        queued = max(t.number for t in store.trials(states=(TrialState.WAITING,))
+                     if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
+        return self._claimed(store.claim_waiting(queued), seed)
+
+    def _next_point(self, rows: list[TrialRow]) -> int | None:
+        """The first design point that no trial covers (ran to its own end, runs or waits)."""
+        superseded = {r.retry_of for r in rows if r.retry_of is not None}
+        covered = {r.design_index for r in rows if r.design_index is not None and r.number not in superseded
+                   and (r.outcome.own or not r.outcome.ended)}
+        assert self._design is not None
+        return next((i for i in range(len(self._design)) if i not in covered), None)
+
+    def settle(self, claim: Claim, result: TrialResult) -> bool:
+        """Record how a claimed trial ended, queueing its configuration again first when it
+        did not fail on its own merits, or failed with retries left. False when another
+        worker had already ended it (judged lost)."""
+        store = self.store
+        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT)
+        if result.outcome.run_again or retry:
+            with store.lock():
+                trials = store.trials()
+                rows = store.rows(trials)
+                row = next(r for r in rows if r.number == claim.number)
+                if result.outcome.run_again:
+                    requeue(store, row, rows)
+                elif row.retries < store.scenario.search.retry_failed:
+                    requeue(store, row, rows, **{ATTR_RETRY_OF: row.number, ATTR_RETRIES: row.retries + 1})
+        return store.record(claim.number, result, claim.folder)
+
+    def release(self, claim: Claim) -> None:
+        """Put a claimed trial that never started back in the queue (the sweep is stopping)."""
+        self.store.back_to_waiting(claim.number)

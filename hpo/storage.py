@@ -1,0 +1,232 @@
+"""Where a study lives: storage URLs, opening a storage, the ask lock, riding out outages.
+
+Storage URLs are Optuna's (``sqlite:///x.db``, ``postgresql://...``, ``mysql://...``) plus
+``journal:PATH`` for Optuna's journal file. The default is an SQLite file in the workdir,
+opened in WAL mode with a long busy timeout so several workers can share it.
+
+:func:`ask_lock` serialises askers across threads, processes and (for server databases)
+machines, so the trial budget is exact. :class:`Retrying` runs store calls through an
+outage: it retries with backoff for ``resources.store_retry`` seconds, then raises
+:class:`StoreUnavailable` with one line that says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import sqlite3
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import optuna
+
+from hpo.errors import InputError
+
+SQLITE_TIMEOUT_S = 120
+SCHEMES = ("sqlite:///PATH", "postgresql://...", "mysql://...", "journal:PATH")
+_SERVER_SCHEMES = ("postgresql", "postgres", "mysql")
+_THREAD_LOCK = threading.RLock()
+_log = logging.getLogger("hpo.storage")
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """The store stayed unreachable past the retry deadline; the message is one line."""
+
+
+def storage_url(scenario: Any, override: str | None = None, workdir: Path | None = None) -> str:
+    """The study's storage URL: ``--storage``, the scenario's ``storage``, or SQLite in the workdir."""
+    if override:
+        return override
+    if scenario.storage:
+        return scenario.storage
+    return f"sqlite:///{(workdir or scenario.default_workdir()) / 'study.db'}"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of an ``sqlite:///`` URL, else None."""
+    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+
+
+def journal_path(url: str) -> Path | None:
+    """The journal file of a ``journal:PATH`` URL, else None."""
+    return Path(url[len("journal:"):].removeprefix("//")) if url.startswith("journal:") else None
+
+
+def local_path(url: str) -> Path | None:
+    """The file of a file-based store (SQLite or journal), else None."""
+    return sqlite_path(url) or journal_path(url)
+
+
+def check_url(url: str) -> None:
+    """Raise InputError naming ``--storage`` unless ``url`` is of a scheme hpo can open."""
+    scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
+    if local_path(url) is None and scheme not in _SERVER_SCHEMES:
+        raise InputError(f"--storage: cannot open {redact(url)}: the URL must be one of {', '.join(SCHEMES)}")
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """Open (creating if need be) the storage at ``url``; a bad URL is an InputError."""
+    check_url(url)
+    journal = journal_path(url)
+    if journal is not None:
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(journal)))
+    sqlite = sqlite_path(url)
+    kwargs: dict[str, Any] = {}
+    if sqlite is not None:
+        sqlite.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.closing(sqlite3.connect(sqlite, timeout=SQLITE_TIMEOUT_S)) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+        kwargs["connect_args"] = {"timeout": SQLITE_TIMEOUT_S}
+    else:
+        kwargs["pool_pre_ping"] = True
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    except ImportError as exc:
+        raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
+                         f"pip install 'hpo[postgres]' for PostgreSQL") from None
+    except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
+        raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
+
+
+def redact(url: str) -> str:
+    """``url`` with any password masked, for messages."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def optuna_url(url: str) -> str:
+    """How Optuna's own tools (``optuna.load_study``, optuna-dashboard) open this store.
+
+    A server or SQLite URL is Optuna's already; a journal file needs two lines of Python.
+    """
+    journal = journal_path(url)
+    if journal is None:
+        return redact(url)
+    return ("from optuna.storages.journal import JournalFileBackend, JournalStorage; "
+            f"storage = JournalStorage(JournalFileBackend({str(journal)!r}))")
+
+
+@contextlib.contextmanager
+def ask_lock(url: str) -> Iterator[None]:
+    """Hold the study-wide lock under which the budget is checked and a trial is asked.
+
+    SQLite and journal files use a lock file beside them (all processes on the machine);
+    PostgreSQL and MySQL use an advisory lock on the server (all machines). Re-entrant
+    within a thread.
+    """
+    with _THREAD_LOCK:
+        local = local_path(url)
+        if local is None:
+            with _server_lock(url):
+                yield
+            return
+        lock_path = local.with_name(local.name + ".hpo-lock")
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with lock_path.open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _server_lock(url: str) -> Iterator[None]:
+    import sqlalchemy
+
+    key = zlib.crc32(url.encode()) & 0x7FFFFFFF
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    dialect = engine.dialect.name
+    try:
+        with engine.connect() as conn:
+            if dialect == "postgresql":
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                release, arg = "SELECT pg_advisory_unlock(:k)", key
+            elif dialect == "mysql":
+                conn.execute(sqlalchemy.text("SELECT GET_LOCK(:k, 600)"), {"k": str(key)})
+                release, arg = "SELECT RELEASE_LOCK(:k)", str(key)
+            else:
+                raise InputError(f"--storage: {dialect} has no lock that hpo can share; "
+                                 "use sqlite, postgresql or mysql")
+            try:
+                yield
+            finally:
+                with contextlib.suppress(Exception):  # a dropped connection releases the lock itself
+                    conn.execute(sqlalchemy.text(release), {"k": arg})
+                    conn.commit()
+    finally:
+        engine.dispose()
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    import sqlalchemy.exc
+
+    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError,
+            sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError, OSError)
+
+
+class Retrying:
+    """Runs store calls, retrying transient failures (server down, database locked) with
+    exponential backoff until ``deadline_s`` seconds have passed without success.
+
+    Args:
+        url: the store, named (password masked) in messages.
+        deadline_s: how long one call may keep failing before :class:`StoreUnavailable`.
+        on_outage: called with a one-line message when a call first fails and when the
+            store answers again, e.g. to print it.
+    """
+
+    def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None) -> None:
+        self._url = redact(url)
+        self._deadline_s = deadline_s
+        self._on_outage = on_outage or (lambda message: _log.warning("%s", message))
+        self._errors = _transient_errors()
+        self._down_since: float | None = None
+        self._up_since = float("-inf")
+        self._lock = threading.Lock()
+
+    @property
+    def healthy_since(self) -> float | None:
+        """``time.monotonic()`` of the end of the last outage: ``-inf`` if there was none,
+        None while the store is down."""
+        with self._lock:
+            return None if self._down_since is not None else self._up_since
+
+    def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, retried through an outage (see the class docstring)."""
+        start = time.monotonic()
+        pause = 0.2
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except self._errors as exc:
+                elapsed = time.monotonic() - start
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                with self._lock:
+                    if self._down_since is None:
+                        self._down_since = time.monotonic()
+                        self._on_outage(f"the store {self._url} is not answering ({first_line[:160]}); "
+                                        f"retrying for up to {self._deadline_s:g} s")
+                if elapsed >= self._deadline_s:
+                    raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "
+                                           f"(resources.store_retry): {first_line[:200]}") from None
+                time.sleep(min(pause, max(0.0, self._deadline_s - elapsed)))
+                pause = min(pause * 2, 5.0)
+                continue
+            with self._lock:
+                if self._down_since is not None:
+                    self._on_outage(f"the store answers again after {time.monotonic() - self._down_since:.0f} s")
+                    self._down_since = None
+                    self._up_since = time.monotonic()
+            return result

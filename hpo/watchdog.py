@@ -1,0 +1,82 @@
+"""The watchdog of one worker: heartbeats, stop requests, and trials of workers that are gone.
+
+Every second it reads the stop requests (``hpo stop``) of the trials this worker claimed;
+every ``resources.heartbeat`` seconds it beats their heartbeats and, under the ask lock,
+re-runs the trials of workers that are gone (:mod:`hpo.recovery`). After a store outage it
+judges no heartbeat for ``STALE_AFTER_BEATS`` intervals, since no worker could beat while
+the store was down.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from hpo.recovery import STALE_AFTER_BEATS, recover_stale
+from hpo.storage import StoreUnavailable
+from hpo.store import StudyStore
+
+WATCH_INTERVAL_S = 1.0
+
+
+class Watchdog:
+    """A thread that looks after one worker's claimed trials (see the module docstring).
+
+    Args:
+        store: the study store.
+        workdir: where trial folders are (results a lost trial left there are recorded).
+        worker: this worker's id (``host:pid``).
+        claimed: the numbers of the trials this worker claimed, started or not.
+        stop_trial: called with a trial's number when a user asked to stop it.
+    """
+
+    def __init__(self, store: StudyStore, workdir: Path, worker: str, claimed: Callable[[], list[int]],
+                 stop_trial: Callable[[int], None]) -> None:
+        self._store = store
+        self._workdir = workdir
+        self._worker = worker
+        self._claimed = claimed
+        self._stop_trial = stop_trial
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_fatal: Callable[[BaseException], None]) -> None:
+        """Start watching; ``on_fatal`` receives a :class:`StoreUnavailable` that ends the worker."""
+        self._done.clear()
+        self._thread = threading.Thread(target=self._loop, args=(on_fatal,), name="hpo-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (waits for the current round)."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self, on_fatal: Callable[[BaseException], None]) -> None:
+        heartbeat_s = self._store.scenario.resources.heartbeat
+        last_beat = time.monotonic()
+        while not self._done.wait(WATCH_INTERVAL_S):
+            try:
+                beat = time.monotonic() - last_beat >= heartbeat_s
+                self.round(beat)
+                if beat:
+                    last_beat = time.monotonic()
+            except StoreUnavailable as exc:
+                on_fatal(exc)
+                return
+
+    def round(self, beat: bool) -> None:
+        """One round: stop requests; with ``beat``, heartbeats and the trials of gone workers."""
+        store = self._store
+        for number in self._claimed():
+            if store.stop_requested(number):
+                self._stop_trial(number)
+            if beat:
+                store.beat(number)
+        if beat:
+            healthy = store.call.healthy_since
+            judge = healthy is not None and time.monotonic() - healthy > STALE_AFTER_BEATS * \
+                store.scenario.resources.heartbeat
+            with store.lock():
+                recover_stale(store, self._workdir, self._worker, set(self._claimed()), judge_beats=judge)

@@ -1,0 +1,162 @@
+"""Running one trial and judging how it ended: the judge's table, and real processes on the local executor."""
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from hpo.executor import LocalExecutor, TrialSpec, judge, saved_result
+from hpo.launch import Slot
+from hpo.outcome import Outcome
+from hpo.render import TrialFile
+from hpo.results import parse_text
+from hpo.scenario import Objective
+
+OBJECTIVE = Objective(metric="val_error", held_out=("test_error",))
+
+
+@pytest.mark.parametrize(
+    ("text", "exit_code", "ended_by", "outcome", "value", "held_out", "reason"),
+    [
+        pytest.param("val_error=0.2 test_error=0.3", 0, None, "COMPLETE", 0.2, {"test_error": 0.3}, "", id="complete"),
+        pytest.param("val_error=0.2", 0, None, "COMPLETE", 0.2, {}, "", id="complete-no-held-out"),
+        pytest.param("val_error=0.2 test_error=0.3\nValueError: bad shape", 1, None, "FAIL", None,
+                     {"test_error": 0.3}, "exit code 1: ValueError: bad shape", id="exit-code-with-error-line"),
+        pytest.param("usage: main.py [-h]\nmain.py: error: unrecognized arguments: --batch_size 64", 2, None, "FAIL",
+                     None, {}, "exit code 2: main.py: error: unrecognized arguments: --batch_size 64", id="argparse"),
+        pytest.param("val_error=0.2", -9, None, "FAIL", None, {}, "killed by SIGKILL (out of host memory?)",
+                     id="sigkill"),
+        pytest.param("x\nSegfault", -11, None, "FAIL", None, {}, "killed by SIGSEGV", id="sigsegv"),
+        pytest.param("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1, None, "FAIL", None,
+                     {}, "out of GPU memory: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                     id="oom"),
+        pytest.param("exitcode  : -9 (pid: 123)", 1, None, "FAIL", None, {}, "killed by SIGKILL (out of host memory?)",
+                     id="torchrun-rank-sigkill"),
+        pytest.param("hello world\nloss 3", 0, None, "FAIL", None, {}, "val_error was never reported", id="missing"),
+        pytest.param("test_error=0.3", 0, None, "FAIL", None, {"test_error": 0.3}, "val_error was never reported",
+                     id="missing-held-out-kept"),
+        pytest.param("val_error=nan test_error=0.1", 0, None, "FAIL", None, {"test_error": 0.1}, "val_error is nan",
+                     id="nan"),
+        pytest.param("val_error=inf", 0, None, "FAIL", None, {}, "val_error is inf", id="inf"),
+        pytest.param("val_error=abc", 0, None, "FAIL", None, {}, "val_error is not a number: abc", id="non-number"),
+        pytest.param("val_error=0.2 test_error=nan", 0, None, "COMPLETE", 0.2, {}, "", id="held-out-nan-dropped"),
+        pytest.param("Result of this algorithm run: UNSAT, 1, 0, 0.5, 1", 0, None, "FAIL", None, {},
+                     "trial reported UNSAT", id="unsat"),
+        pytest.param("Result of this algorithm run: SAT, 1, 0, 0.5, 1", 0, None, "COMPLETE", 0.5, {}, "", id="sat"),
+        pytest.param("val_error=0.2", 0, "timeout", "TIMEOUT", None, {}, "killed after 30 s (resources.timeout)",
+                     id="timeout"),
+        pytest.param('{"step": 2, "val_error": 0.4}', -15, "pruned", "PRUNED", None, {}, "pruned at step 2",
+                     id="pruned"),
+        pytest.param("", -15, "stopped", "STOPPED", None, {}, "stopped by the user", id="stopped"),
+        pytest.param("val_error=0.1", -15, "interrupted", "INTERRUPTED", None, {},
+                     "interrupted: the sweep was stopped; it runs again on resume", id="interrupted"),
+        pytest.param("", 127, "cannot start trian: No such file", "FAIL", None, {}, "cannot start trian: No such file",
+                     id="cannot-start"),
+    ],
+)
+def test_judge(text: str, exit_code: int, ended_by: str | None, outcome: str, value: float | None,
+               held_out: dict[str, float], reason: str) -> None:
+    result = judge(parse_text(text, "val_error"), OBJECTIVE, exit_code, ended_by, text.splitlines(), 1.0, 30)
+    assert (result.outcome.value, result.value, dict(result.held_out), result.reason) == (
+        outcome, value, held_out, reason)
+
+
+class Control:
+    """Records what the executor tells the sweep; asks to prune at ``prune_at``."""
+
+    def __init__(self, prune_at: int | None = None, end: str | None = None) -> None:
+        self.gpus: Sequence[int] | None = None
+        self.values: list[tuple[int, float]] = []
+        self.prune_at = prune_at
+        self.end = end
+
+    def started(self, gpus: Sequence[int]) -> None:
+        self.gpus = gpus
+
+    def intermediate(self, step: int, value: float) -> bool:
+        self.values.append((step, value))
+        return self.prune_at is not None and step >= self.prune_at
+
+    def end_request(self) -> str | None:
+        return self.end
+
+
+def spec(tmp_path: Path, code: str, objective: Objective = OBJECTIVE, timeout: float | None = 30,
+         extra: tuple[TrialFile, ...] = ()) -> TrialSpec:
+    files = (TrialFile("train.py", textwrap.dedent(code).encode()), *extra)
+    return TrialSpec(number=7, params={"x": 1}, folder=tmp_path / "trial-0007", files=files,
+                     argv=(sys.executable, "train.py"), env={"HPO_TRIAL_NUMBER": "7"}, slot=Slot(0, (3,), 1, 2),
+                     token="tok", timeout=timeout, objective=objective)
+
+
+def test_a_trial_runs_in_its_folder_and_leaves_its_result_there(tmp_path: Path) -> None:
+    control = Control()
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import os
+        print({"step": 1, "val_error": 0.5}.__repr__().replace("'", '"'))
+        print(f"val_error=0.25 test_error={len(os.environ['CUDA_VISIBLE_DEVICES'])}")
+        assert os.environ["HPO_TRIAL_DIR"] == os.getcwd() and os.environ["OMP_NUM_THREADS"] == "2"
+        """), control)
+    assert (result.outcome, result.value, dict(result.held_out)) == (Outcome.COMPLETE, 0.25, {"test_error": 1.0})
+    assert control.gpus == (3,) and control.values == [(1, 0.5)]
+    folder = tmp_path / "trial-0007"
+    assert saved_result(folder, 7) == result and saved_result(folder, 8) is None
+    assert "val_error=0.25" in (folder / "trial.log").read_text()
+
+
+def test_pruning_and_stop_requests_end_the_process(tmp_path: Path) -> None:
+    code = """\
+        import time
+        from hpo.results import report
+        for step in range(100):
+            report(step=step, val_error=1.0 / (step + 1))
+            time.sleep(0.05)
+        """
+    pruned = LocalExecutor().run(spec(tmp_path / "a", code), Control(prune_at=2))
+    assert pruned.outcome is Outcome.PRUNED and pruned.reason.startswith("pruned at step")
+    stopped = LocalExecutor().run(spec(tmp_path / "b", code), Control(end="stopped"))
+    assert stopped.outcome is Outcome.STOPPED and stopped.duration_s < 10
+
+
+def test_a_crash_reason_carries_the_last_error_line(tmp_path: Path) -> None:
+    result = LocalExecutor().run(spec(tmp_path, "print('starting')\nraise ZeroDivisionError('division by zero')\n"),
+                                 Control())
+    assert result.outcome is Outcome.FAIL
+    assert result.reason == "exit code 1: ZeroDivisionError: division by zero"
+
+
+def test_a_trial_killed_by_someone_else_says_sigkill(tmp_path: Path) -> None:
+    result = LocalExecutor().run(spec(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"),
+                                 Control())
+    assert (result.outcome, result.reason) == (Outcome.FAIL, "killed by SIGKILL (out of host memory?)")
+
+
+def test_cuda_out_of_memory_is_recognised(tmp_path: Path) -> None:
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import sys
+        print("Traceback (most recent call last):")
+        print('  File "train.py", line 3, in <module>')
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+              "of 79.19 GiB of which 3.06 GiB is free.")
+        sys.exit(1)
+        """), Control())
+    assert result.outcome is Outcome.FAIL
+    assert result.reason.startswith("out of GPU memory: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
+
+
+def test_post_process_output_is_parsed(tmp_path: Path) -> None:
+    objective = Objective(metric="val_error", held_out=("test_error",), post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"print(open('out.txt').read().strip())\n")
+    result = LocalExecutor().run(spec(tmp_path, "open('out.txt', 'w').write('val_error=0.125 test_error=0.5')\n",
+                                      objective, extra=(parse,)), Control())
+    assert (result.outcome, result.value, dict(result.held_out)) == (Outcome.COMPLETE, 0.125, {"test_error": 0.5})
+
+
+def test_a_failing_post_process_fails_the_trial(tmp_path: Path) -> None:
+    objective = Objective(metric="val_error", post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"raise SystemExit('parse.py: no results file')\n")
+    result = LocalExecutor().run(spec(tmp_path, "print('done')\n", objective, extra=(parse,)), Control())
+    assert result.outcome is Outcome.FAIL and result.reason.startswith("post_process exit code 1")

@@ -1,0 +1,137 @@
+"""Claims, the budget, the design queue and re-runs, in-process on a real SQLite study."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hpo import designs
+from hpo.outcome import Outcome, TrialResult
+from hpo.scenario import load_scenario
+from hpo.scheduler import WAIT, Claim, Scheduler, budget_used, requeue
+from hpo.store import StudyStore
+
+WriteScenario = Callable[..., Path]
+
+
+def make(tmp_path: Path, write_scenario: WriteScenario, method: str = "monte_carlo", trials: int = 4,
+         retry_failed: int = 0) -> Scheduler:
+    """A scheduler over a fresh SQLite study of the base scenario."""
+    scenario = load_scenario(write_scenario(tmp_path, search={"method": method, "trials": trials, "seed": 3,
+                                                              "retry_failed": retry_failed}))
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/study.db")
+    return Scheduler(store, designs.design_points(scenario), designs.total_trials(scenario), tmp_path / "w", 3)
+
+
+def claim(scheduler: Scheduler, mine: set[int] | None = None) -> Claim:
+    """Claim a trial, which must be there."""
+    with scheduler.store.lock():
+        found = scheduler.claim(mine or set())
+    assert isinstance(found, Claim)
+    return found
+
+
+def complete(scheduler: Scheduler, c: Claim, value: float = 0.5) -> None:
+    assert scheduler.settle(c, TrialResult(Outcome.COMPLETE, value, {"test_error": value}))
+
+
+def test_a_design_runs_its_points_in_order_then_stops(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    points = designs.design_points(scheduler.store.scenario)
+    assert points is not None
+    for index in range(4):
+        c = claim(scheduler)
+        assert c.params == points[index] and c.folder == tmp_path / "w" / f"trial-{c.number:04d}"
+        assert c.seed == 3 + c.number
+        complete(scheduler, c)
+    with scheduler.store.lock():
+        assert scheduler.claim(set()) is None
+    assert [r.design_index for r in scheduler.store.rows()] == [0, 1, 2, 3]
+
+
+def test_a_design_point_whose_trial_was_lost_runs_again_exactly_once(tmp_path: Path,
+                                                                     write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario, trials=3)
+    first, second = claim(scheduler), claim(scheduler)
+    store = scheduler.store
+    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
+    assert scheduler.settle(second, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    seen = []
+    while True:
+        with store.lock():
+            c = scheduler.claim(set())
+        if c is None:
+            break
+        assert isinstance(c, Claim)
+        seen.append(c.params["x"])
+        complete(scheduler, c)
+    rows = store.rows()
+    points = [p["x"] for p in designs.design_points(store.scenario) or []]
+    done = [r for r in rows if r.outcome is Outcome.COMPLETE]
+    assert sorted(r.params["x"] for r in done) == sorted(points)
+    assert budget_used(rows) == 3
+
+
+def test_the_budget_waits_for_other_workers_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario, method="tpe", trials=2)
+    first, second = claim(scheduler), claim(scheduler)
+    with scheduler.store.lock():
+        assert scheduler.claim({first.number}) == WAIT
+        assert scheduler.claim({first.number, second.number}) is None
+    complete(scheduler, first)
+    scheduler.settle(second, TrialResult(Outcome.LOST, reason="lost"))
+    third = claim(scheduler)
+    assert third.params == second.params
+    assert scheduler.store.rows()[third.number].requeue_of == second.number
+
+
+def test_retry_failed_runs_a_failure_again_without_using_budget(tmp_path: Path,
+                                                                write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario, trials=1, retry_failed=1)
+    first = claim(scheduler)
+    scheduler.settle(first, TrialResult(Outcome.FAIL, reason="exit code 1"))
+    retry = claim(scheduler)
+    assert retry.params == first.params
+    scheduler.settle(retry, TrialResult(Outcome.TIMEOUT, reason="killed after 1 s"))
+    with scheduler.store.lock():
+        assert scheduler.claim(set()) is None
+    rows = scheduler.store.rows()
+    assert (rows[1].retry_of, rows[1].retries) == (0, 1) and budget_used(rows) == 1
+
+
+def test_requeue_is_idempotent(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    c = claim(scheduler)
+    store = scheduler.store
+    with store.lock():
+        row = store.rows()[0]
+        assert requeue(store, row, store.rows())
+        assert not requeue(store, row, store.rows())
+    assert len(store.rows()) == 2
+
+
+def test_a_rerun_uses_no_budget_and_keeps_the_configuration(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario, trials=1)
+    c = claim(scheduler)
+    complete(scheduler, c, 0.2)
+    store = scheduler.store
+    store.enqueue({"x": 0.9, "opt": "a"}, {})  # a queued trial must not be claimed by the rerun
+    with store.lock():
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+    assert rerun.params == c.params and rerun.seed == 77 and rerun.number == 2
+    complete(scheduler, rerun, 0.25)
+    rows = store.rows()
+    assert rows[2].rerun_of == 0 and budget_used(rows) == 2  # trial 0 and the queued trial 1, not the rerun
+    assert rows[1].outcome is Outcome.WAITING
+
+
+@pytest.mark.parametrize("retry_failed", [0, 2])
+def test_interrupted_and_lost_do_not_use_retries(tmp_path: Path, write_scenario: WriteScenario,
+                                                 retry_failed: int) -> None:
+    scheduler = make(tmp_path, write_scenario, trials=1, retry_failed=retry_failed)
+    c = claim(scheduler)
+    scheduler.settle(c, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    again = claim(scheduler)
+    rows: list[Any] = scheduler.store.rows()
+    assert again.params == c.params and rows[1].retries == 0 and rows[1].requeue_of == 0

@@ -1,0 +1,197 @@
+"""Where a study lives: storage URLs, opening storages, the ask lock, and riding out outages."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+import pytest
+from optuna.storages import JournalStorage, RDBStorage
+
+from hpo.errors import InputError
+from hpo.scenario import load_scenario
+from hpo.storage import Retrying, StoreUnavailable, ask_lock, check_url, open_storage, optuna_url, storage_url
+
+WriteScenario = Callable[..., Path]
+
+
+@pytest.fixture(params=["sqlite", "journal"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A storage URL of every file-based backend (the same contract runs against each)."""
+    return {"sqlite": f"sqlite:///{tmp_path}/db/study.db", "journal": f"journal:{tmp_path}/db/study.log"}[request.param]
+
+
+def test_ask_lock_leaves_optunas_journal_lock_alone(tmp_path: Path) -> None:
+    journal = tmp_path / "study.log"
+    with ask_lock(f"journal:{journal}"):
+        assert not os.path.lexists(f"{journal}.lock")
+    assert not os.path.lexists(f"{journal}.lock")
+
+
+def test_storage_url_default_and_overrides(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path))
+    assert storage_url(scenario) == f"sqlite:///{tmp_path.resolve()}/runs/demo/study.db"
+    assert storage_url(scenario, workdir=tmp_path / "w") == f"sqlite:///{tmp_path}/w/study.db"
+    assert storage_url(scenario, override="journal:/x.log", workdir=tmp_path / "w") == "journal:/x.log"
+    with_storage = load_scenario(write_scenario(tmp_path / "2", storage="sqlite:////tmp/other.db"))
+    assert storage_url(with_storage) == "sqlite:////tmp/other.db"
+    assert storage_url(with_storage, override="sqlite:////tmp/cli.db") == "sqlite:////tmp/cli.db"
+
+
+def test_workdir_moves_the_default_store(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, workdir="elsewhere"))
+    assert storage_url(scenario) == f"sqlite:///{tmp_path.resolve()}/elsewhere/study.db"
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "path"),
+    [("sqlite:///{tmp}/a/study.db", RDBStorage, "a/study.db"),
+     ("journal:{tmp}/b/study.log", JournalStorage, "b/study.log"),
+     ("journal://{tmp}/c/study.log", JournalStorage, "c/study.log")],
+)
+def test_open_storage_kinds(tmp_path: Path, url: str, kind: type, path: str) -> None:
+    storage = open_storage(url.format(tmp=tmp_path))
+    assert isinstance(storage, kind)
+    assert (tmp_path / path).is_file()
+
+
+def test_bad_url_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):
+        open_storage("nosuchdb://x")
+
+
+def _hold_lock(url: str, held: Any, release: Any) -> None:
+    """In another process: take the ask lock, say so, and keep it until told to let go."""
+    with ask_lock(url):
+        held.set()
+        release.wait(60)
+
+
+def _wait_for(event: Any, process: Any, timeout_s: float = 60) -> bool:
+    """Wait for ``event`` while ``process`` lives; False if it died or time ran out first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.is_alive():
+        if event.wait(0.05):
+            return True
+    return event.is_set()
+
+
+def test_ask_lock_serialises_processes(url: str) -> None:
+    open_storage(url)
+    context = multiprocessing.get_context("spawn")
+    held, release = context.Event(), context.Event()
+    other = context.Process(target=_hold_lock, args=(url, held, release))
+    other.start()
+    try:
+        assert _wait_for(held, other), "the other process never took the lock"
+        acquired = threading.Event()
+
+        def take() -> None:
+            with ask_lock(url):
+                acquired.set()
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        assert not acquired.wait(0.5)
+        release.set()
+        taker.join(30)
+        assert acquired.is_set()
+    finally:
+        release.set()
+        other.join(30)
+    assert other.exitcode == 0
+
+
+def test_ask_lock_serialises_threads(url: str) -> None:
+    open_storage(url)
+    inside = 0
+    most = 0
+    guard = threading.Lock()
+
+    def work() -> None:
+        nonlocal inside, most
+        with ask_lock(url):
+            with guard:
+                inside += 1
+                most = max(most, inside)
+            time.sleep(0.02)
+            with guard:
+                inside -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most == 1
+
+
+def test_ask_lock_is_released_on_error(url: str) -> None:
+    open_storage(url)
+    with pytest.raises(RuntimeError):
+        with ask_lock(url):
+            raise RuntimeError("boom")
+    with ask_lock(url):
+        pass
+
+
+@pytest.mark.parametrize("url", ["foo://bar", "redis://localhost", "study.db", "sqlite:relative.db"])
+def test_unknown_schemes_are_bad_input_naming_the_flag(url: str) -> None:
+    with pytest.raises(InputError, match=r"^--storage: cannot open .*: the URL must be one of sqlite:///PATH"):
+        check_url(url)
+
+
+def test_optuna_url_for_journal_files_is_python_that_opens_them(tmp_path: Path) -> None:
+    assert optuna_url(f"sqlite:///{tmp_path}/s.db") == f"sqlite:///{tmp_path}/s.db"
+    assert optuna_url("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+    code = optuna_url(f"journal:{tmp_path}/s.log")
+    namespace: dict[str, Any] = {}
+    exec(code, namespace)  # the printed line really opens the journal
+    assert isinstance(namespace["storage"], JournalStorage)
+
+
+class _Flaky:
+    """A call that fails ``failures`` times with a transient store error, then answers."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def __call__(self, value: int) -> int:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise optuna.exceptions.StorageInternalError("could not connect to server: Connection refused")
+        return value * 2
+
+
+def test_retrying_rides_out_an_outage_and_says_so() -> None:
+    said: list[str] = []
+    call = Retrying("postgresql://u:pw@h/db", deadline_s=30, on_outage=said.append)
+    flaky = _Flaky(3)
+    assert call(flaky, 21) == 42
+    assert flaky.calls == 4
+    assert len(said) == 2 and "is not answering" in said[0] and "pw" not in said[0]
+    assert said[1].startswith("the store answers again")
+    assert call.healthy_since is not None and call.healthy_since > float("-inf")
+
+
+def test_retrying_gives_up_after_its_deadline_with_one_line() -> None:
+    call = Retrying("sqlite:///x.db", deadline_s=0.5, on_outage=lambda message: None)
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"^the store sqlite:///x.db has not answered for \d+ s"):
+        call(_Flaky(10**6), 1)
+    assert time.monotonic() - began < 5
+
+
+def test_retrying_passes_other_errors_through() -> None:
+    call = Retrying("sqlite:///x.db", deadline_s=30)
+
+    def broken() -> None:
+        raise KeyError("no such study")
+
+    with pytest.raises(KeyError):
+        call(broken)
