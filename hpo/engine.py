@@ -27,6 +27,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from hpo import designs, space
 from hpo.errors import InputError
 from hpo.executor import Executor, LocalExecutor, TrialSpec
+from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import recover_stale
@@ -341,6 +342,7 @@ class Sweep:
                 self._running.pop(claim.number, None)
         if self._observer:
             self._observer.finished(TrialEnd(claim.number, claim.params, result))
+        fault_point("settled", claim.number)
 
 
 class _Control:
@@ -366,6 +368,7 @@ class _Control:
             running.started = True
         if self._sweep._observer:
             self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot, claim.folder))
+        fault_point("started", claim.number)
 
     def intermediate(self, step: int, value: float) -> bool:
         call = self._sweep.store.call

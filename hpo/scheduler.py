@@ -24,6 +24,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpo import space
+from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
 from hpo.store import (ATTR_DESIGN_INDEX, ATTR_LOST_COUNT, ATTR_REQUEUE_OF, ATTR_RERUN_OF, ATTR_RETRIES,
@@ -124,6 +125,7 @@ class Scheduler:
                                                  "seed": self._seed})
         if seed is None:
             seed = trial_seed(store.scenario.search.seed, trial.number)
+        fault_point("claim", trial.number)
         return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed)
 
     def claim_rerun(self, original: TrialRow, seed: int) -> Claim:

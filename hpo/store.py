@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import space
 from hpo.errors import InputError
+from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario
 from hpo.storage import Retrying, ask_lock, local_path, open_storage
@@ -191,14 +192,13 @@ class StudyStore:
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
-        if create:
-            with self.lock():
-                self._storage = self.call(open_storage, url)
+        with self.lock():  # creating the tables of a new store must not race another process
+            self._storage = self.call(open_storage, url)
+            if create:
                 self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
                                        sampler=sampler, pruner=pruner, load_if_exists=True,
                                        direction=scenario.objective.direction)
-        else:
-            self._storage = self.call(open_storage, url)
+        if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
                                        sampler=sampler, pruner=pruner)
@@ -327,6 +327,7 @@ class StudyStore:
         try:
             for key, value in result_attrs(result, folder).items():
                 self.set_attr(number, key, value)
+            fault_point("record", number)
             if result.outcome is Outcome.COMPLETE:
                 self.call(self.study.tell, number, result.value)
             elif result.outcome is Outcome.PRUNED:
