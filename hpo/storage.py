@@ -176,6 +176,14 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
             sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError, OSError)
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The first line of the innermost cause of ``exc`` (a driver's own words), without SQL."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip().split("\n[SQL:")[0]
+    return (text.splitlines() or [type(exc).__name__])[0]
+
+
 class Retrying:
     """Runs store calls, retrying transient failures (server down, database locked) with
     exponential backoff until ``deadline_s`` seconds have passed without success.
@@ -212,7 +220,7 @@ class Retrying:
                 result = fn(*args, **kwargs)
             except self._errors as exc:
                 elapsed = time.monotonic() - start
-                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                first_line = _root_cause(exc)
                 with self._lock:
                     if self._down_since is None:
                         self._down_since = time.monotonic()

@@ -1,0 +1,139 @@
+"""A PostgreSQL server restarted and stopped under a 2-worker sweep: nothing lost, nothing doubled.
+
+The test creates a private cluster of its own (Debian's ``pg_createcluster <version> hpotest
+-p 5433``), stops and starts it with ``pg_ctlcluster``, and removes it at the end, so the
+shared server other tests use is never stopped. It needs Debian's PostgreSQL server
+packages and root (CI has both); elsewhere it is skipped.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from conftest import cli_env
+
+from hpo import designs
+from hpo.scenario import load_scenario
+
+CLUSTER, PORT = "hpotest", 5433
+URL = f"postgresql://hpo:hpo@127.0.0.1:{PORT}/hpo"
+TRIALS = 30
+
+
+def _pg(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=120, check=False)
+
+
+def _psql(sql: str, database: str = "postgres") -> None:
+    done = _pg("su", "postgres", "-c", f"psql -p {PORT} -d {database} -qc \"{sql}\"")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """A private PostgreSQL cluster on port 5433 with role and database ``hpo``; dropped afterwards."""
+    if os.geteuid() != 0 or not shutil.which("pg_createcluster") or not Path("/usr/lib/postgresql").is_dir():
+        pytest.skip("needs root and Debian's PostgreSQL server packages")
+    version = sorted(os.listdir("/usr/lib/postgresql"), key=lambda v: [int(p) for p in v.split(".")])[-1]
+    _pg("pg_dropcluster", version, CLUSTER, "--stop")
+    created = _pg("pg_createcluster", version, CLUSTER, "-p", str(PORT), "--start")
+    assert created.returncode == 0, created.stderr
+    try:
+        _psql("CREATE ROLE hpo LOGIN PASSWORD 'hpo'")
+        _psql("CREATE DATABASE hpo OWNER hpo")
+        yield version
+    finally:
+        _pg("pg_dropcluster", version, CLUSTER, "--stop")
+
+
+def write(tmp_path: Path, store_retry: float = 300) -> Path:
+    (tmp_path / "trial.py.j2").write_text(textwrap.dedent("""\
+        import time
+        from hpo.results import report
+        time.sleep(0.4)
+        report(val_error={{ x }}, test_error={{ x }} / 2)
+        """))
+    path = tmp_path / "outage.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: outage-{tmp_path.name}
+        template: trial.py.j2
+        command: python trial.py
+        parameters:
+          x: {{type: float, low: 0, high: 1}}
+        search: {{method: monte_carlo, trials: {TRIALS}, seed: 5}}
+        objective: {{metric: val_error, held_out: [test_error]}}
+        resources: {{parallel: 2, heartbeat: 1, store_retry: {store_retry}}}
+        """))
+    return path
+
+
+def start(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2", "--storage", URL],
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    done = subprocess.run([sys.executable, "-m", "hpo", "export", str(path), "--storage", URL], env=cli_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    return list(csv.DictReader(io.StringIO(done.stdout))) if done.returncode == 0 else []
+
+
+def wait_for_done(path: Path, count: int, run: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 90
+    while sum(r["state"] == "COMPLETE" for r in rows(path)) < count:
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.5)
+
+
+def assert_every_point_once(path: Path) -> None:
+    found = rows(path)
+    own = [r for r in found if r["state"] in ("COMPLETE", "FAIL", "PRUNED", "STOPPED", "TIMEOUT")]
+    points = [p["x"] for p in designs.design_points(load_scenario(path)) or []]
+    assert sorted(float(r["x"]) for r in own) == sorted(points), found
+    assert all(r["state"] == "COMPLETE" for r in own)
+    assert not [r for r in found if r["state"] in ("RUNNING", "WAITING")]
+
+
+def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path) -> None:
+    path = write(tmp_path)
+    run = start(path)
+    wait_for_done(path, 5, run)
+    assert _pg("pg_ctlcluster", server, CLUSTER, "restart", "-m", "fast").returncode == 0
+    wait_for_done(path, 12, run)
+    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    time.sleep(15)
+    assert _pg("pg_ctlcluster", server, CLUSTER, "start").returncode == 0
+    out, _ = run.communicate(timeout=180)
+    assert run.returncode == 0, out
+    assert f"{TRIALS}/{TRIALS} trials done: {TRIALS} complete." in out
+    logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
+    assert "is not answering" in logs and "the store answers again" in logs
+    assert_every_point_once(path)
+
+
+def test_an_outage_past_store_retry_stops_with_one_line_and_resumes(server: str, tmp_path: Path) -> None:
+    path = write(tmp_path, store_retry=3)
+    run = start(path)
+    wait_for_done(path, 4, run)
+    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    try:
+        out, _ = run.communicate(timeout=120)
+    finally:
+        assert _pg("pg_ctlcluster", server, CLUSTER, "start").returncode == 0
+    assert run.returncode == 1, out
+    assert "Traceback" not in out
+    logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
+    assert "error: the store postgresql://hpo:***@127.0.0.1:5433/hpo has not answered for" in logs
+    again = subprocess.run([sys.executable, "-m", "hpo", "run", str(path), "--storage", URL], env=cli_env(),
+                           capture_output=True, text=True, timeout=180, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert_every_point_once(path)
