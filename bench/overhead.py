@@ -21,7 +21,6 @@ from typing import Any
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.launch import plan_slots
 from hpo.scenario import load_scenario
-from hpo.store import storage_url
 
 TEMPLATE = textwrap.dedent("""\
     import time
@@ -35,6 +34,13 @@ class TimedSweep(Sweep):
 
     asks: list[float] = []
     tells: list[float] = []
+    collector: Collector
+
+    def _execute(self, slot: Any, claim: Any) -> Any:
+        try:
+            return super()._execute(slot, claim)
+        finally:
+            self.collector.exited(slot.index)
 
     def _claim(self) -> Any:
         began = time.perf_counter()
@@ -43,22 +49,29 @@ class TimedSweep(Sweep):
         finally:
             self.asks.append(time.perf_counter() - began)
 
-    def _finish(self, trial: Any, end: TrialEnd) -> None:
+    def _settle(self, claim: Any, result: Any) -> None:
         began = time.perf_counter()
         try:
-            super()._finish(trial, end)
+            super()._settle(claim, result)
         finally:
             self.tells.append(time.perf_counter() - began)
 
 
 class Collector:
-    """Keeps every TrialEnd."""
+    """Keeps every TrialEnd and, per slot, the gaps between one trial's process exit and the
+    next one's start."""
 
     def __init__(self) -> None:
         self.ends: list[TrialEnd] = []
+        self.gaps: list[float] = []
+        self._exited: dict[int, float] = {}
 
     def started(self, start: TrialStart) -> None:
-        return None
+        if start.slot.index in self._exited:
+            self.gaps.append(time.monotonic() - self._exited.pop(start.slot.index))
+
+    def exited(self, slot: int) -> None:
+        self._exited[slot] = time.monotonic()
 
     def finished(self, end: TrialEnd) -> None:
         self.ends.append(end)
@@ -87,21 +100,22 @@ def main() -> None:
             """))
         scenario = load_scenario(folder / "bench.yaml")
         slots = plan_slots(scenario.resources, ())
-        url = storage_url(scenario, args.storage, folder / "work")
+        url = args.storage or f"sqlite:///{folder / 'work' / 'study.db'}"
         sweep = TimedSweep(SweepConfig(scenario, url, folder / "work", slots, seed=1))
         collector = Collector()
+        sweep.collector = collector
         sweep.prepare()
         began = time.monotonic()
         sweep.run(collector)
         wall = time.monotonic() - began
     ideal = args.trials * args.sleep / args.slots
-    overheads = sorted(end.overhead_s * 1000 for end in collector.ends)
-    process = [end.duration_s - args.sleep for end in collector.ends]
-    states = {end.state for end in collector.ends}
+    overheads = sorted(gap * 1000 for gap in collector.gaps)
+    process = [end.result.duration_s - args.sleep for end in collector.ends]
+    states = {end.result.outcome.value for end in collector.ends}
     print(f"trials: {len(collector.ends)} ({', '.join(sorted(states))}) on {args.slots} slots, store {url.split(':')[0]}")
     print(f"wall time: {wall:.2f} s   ideal: {ideal:.2f} s")
     print(f"slot utilization: {100 * ideal / wall:.1f} %   (goal >= 95 %)")
-    print(f"slot idle gap per trial (render + spawn + parse, ask/tell where on the critical path): "
+    print(f"slot idle gap between trials (a process exited -> the next started: claim, render, spawn): "
           f"median {statistics.median(overheads):.1f} ms, p90 {overheads[int(0.9 * (len(overheads) - 1))]:.1f} ms")
     print(f"ask (lock + budget + ask + suggest): median {1000 * statistics.median(sweep.asks):.1f} ms   "
           f"tell (result + tell): median {1000 * statistics.median(sweep.tells):.1f} ms")

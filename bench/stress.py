@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from hpo.scenario import load_scenario
-from hpo.store import open_study, storage_url, trial_rows
+from hpo.storage import storage_url
+from hpo.store import StudyStore
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         wall = time.monotonic() - began
         scenario = load_scenario(folder / "stress.yaml")
         url = storage_url(scenario, args.storage)
-        rows = trial_rows(open_study(scenario, url, create=False))
+        rows = StudyStore(scenario, url, create=False).rows()
     output = run.stdout + run.stderr
     states = collections.Counter(row.state for row in rows)
     locked = output.count("database is locked") + sum("locked" in row.reason for row in rows)
