@@ -216,7 +216,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     scenario = ctx.scenario
-    rows = _store(ctx).rows()
+    rows = _store(ctx).snapshot()
     summary = tally(rows, designs.total_trials(scenario), scenario.objective.direction)
     console = Console() if sys.stdout.isatty() else Console(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
@@ -275,7 +275,7 @@ def export_rows(ctx: Context, out: Any) -> int:
     from hpo.store import repeat_of
 
     scenario = ctx.scenario
-    rows = _store(ctx).rows()
+    rows = _store(ctx).snapshot()
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
     params = _param_columns(scenario, rows)
     writer = csv.writer(out)
@@ -360,7 +360,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     from hpo.store import best_row
 
     ctx = _context(args)
-    best = best_row(_store(ctx).rows(), ctx.scenario.objective.direction)
+    best = best_row(_store(ctx).snapshot(), ctx.scenario.objective.direction)
     if best is None:
         print("no completed trial yet", file=sys.stderr)
         return EXIT_ERROR

@@ -12,17 +12,18 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from hpo.engine import Observer, TrialEnd, TrialStart
-from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
 from hpo.scheduler import budget_used
 from hpo.store import StudyStore, TrialRow, best_row
+
+if TYPE_CHECKING:
+    from hpo.engine import Observer, TrialEnd, TrialStart
 
 POLL_S = 2.0
 FAILURES_SHOWN = 3
@@ -202,6 +203,8 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
     For watching workers in other processes: a trial seen RUNNING is ``started``, a trial
     seen ended is ``finished``; each event is sent once.
     """
+    from hpo.engine import TrialEnd, TrialStart
+    from hpo.launch import Slot
     started: set[int] = set()
     ended: set[int] = {row.number for row in store.rows() if row.outcome.ended}
     while True:

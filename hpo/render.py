@@ -17,8 +17,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
 
-import jinja2
-
 from hpo.errors import InputError
 from hpo.scenario import Scenario
 
@@ -58,6 +56,8 @@ def _dollar(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
 
 
 def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
+    import jinja2
+
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              autoescape=False)
     try:

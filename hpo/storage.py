@@ -68,8 +68,9 @@ def check_url(url: str) -> None:
         raise InputError(f"--storage: cannot open {redact(url)}: the URL must be one of {', '.join(SCHEMES)}")
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """Open (creating if need be) the storage at ``url``; a bad URL is an InputError."""
+def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
+    """Open the storage at ``url``, creating its tables when ``create`` (else it must have
+    them: a reader skips Optuna's schema checks); a bad URL is an InputError."""
     check_url(url)
     journal = journal_path(url)
     if journal is not None:
@@ -87,7 +88,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     else:
         kwargs["pool_pre_ping"] = True
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
+                                          skip_table_creation=not create)
     except ImportError as exc:
         raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import space
+from hpo import rowcache, space
 from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
@@ -41,7 +42,8 @@ ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "du
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
 ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "design_index"
 SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
-STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT = "parameters", "scenario", "held_out"
+STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
+SNAPSHOT_FETCH_LIMIT = 500
 _LEGACY_RUN, _LEGACY_RESULT = "run", "result"
 _LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_DESIGN_INDEX: "hpo:design_index"}
 _STATE_OUTCOMES = {TrialState.COMPLETE: {Outcome.COMPLETE}, TrialState.PRUNED: {Outcome.PRUNED, Outcome.STOPPED},
@@ -79,6 +81,14 @@ class TrialRow:
     def state(self) -> str:
         """The outcome's name, as the CSV's ``state`` column writes it."""
         return self.outcome.value
+
+
+def _row_to_data(row: TrialRow) -> dict[str, Any]:
+    return dict(dataclasses.asdict(row), outcome=row.outcome.value)
+
+
+def _row_from_data(data: dict[str, Any]) -> TrialRow:
+    return TrialRow(**{**data, "outcome": Outcome(data["outcome"])})
 
 
 def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
@@ -189,11 +199,12 @@ class StudyStore:
         self.url = url
         self.call = Retrying(url, scenario.resources.store_retry, on_outage)
         self._ids: dict[int, int] = {}
+        self._finished: dict[int, TrialRow] = {}
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
         with self.lock():  # creating the tables of a new store must not race another process
-            self._storage = self.call(open_storage, url)
+            self._storage = self.call(open_storage, url, create)
             if create:
                 self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
                                        sampler=sampler, pruner=pruner, load_if_exists=True,
@@ -243,6 +254,8 @@ class StudyStore:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.call(self.study.set_metric_names, [self.scenario.objective.metric])
+        if STUDY_CREATED not in self.user_attrs:
+            self.set_study_attr(STUDY_CREATED, f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {uuid.uuid4().hex[:8]}")
         self.set_study_attr(STUDY_HELD_OUT, list(self.scenario.objective.held_out))
         self.set_study_attr(STUDY_PARAMETERS, space.describe(self.scenario.parameters))
         self.set_study_attr(STUDY_SCENARIO, scenario_text)
@@ -252,15 +265,81 @@ class StudyStore:
         return self.call(self.study.get_trials, deepcopy=False, states=states)
 
     def rows(self, trials: list[FrozenTrial] | None = None) -> list[TrialRow]:
-        """Every trial as a :class:`TrialRow`, by number; a queued copy shows the parameters
-        of the trial it runs again."""
-        constants = self.constants
+        """Every trial (or every one of ``trials``) as a :class:`TrialRow`, by number.
+
+        The rows of finished trials are kept in memory: they never change.
+        """
         found = self.trials() if trials is None else trials
-        rows = [read_row(t, constants) for t in sorted(found, key=lambda t: t.number)]
+        raw = []
+        for trial in sorted(found, key=lambda t: t.number):
+            row = self._finished.get(trial.number) if trial.state.is_finished() else None
+            if row is None:
+                row = read_row(trial)
+                if trial.state.is_finished():
+                    self._finished[trial.number] = row
+            raw.append(row)
+        return self._presented(raw)
+
+    def snapshot(self) -> list[TrialRow]:
+        """Every trial as a :class:`TrialRow`, reading from the storage only the unfinished
+        trials and those finished since the last snapshot (:mod:`hpo.rowcache`); for
+        commands that read a long study once (status, export, best)."""
+        if not isinstance(self._storage, optuna.storages.RDBStorage):
+            return self.rows()
+        storage, sid = self._storage, self._study_id
+        path, key = rowcache.cache_path(self.url, self.scenario.name), self._cache_key()
+        cached = {int(data["number"]): _row_from_data(data) for data in rowcache.load(path, key)}
+        rows = {t.number: read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False,
+                                                             states=(TrialState.RUNNING, TrialState.WAITING))}
+        known = set(cached) | set(rows)
+        count = self._count_trials(max(known, default=-1) + 1)
+        missing = [n for n in range(count) if n not in known]
+        if len(missing) > SNAPSHOT_FETCH_LIMIT:
+            fresh = [read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False)]
+        else:
+            fresh = [read_row(self.call(storage.get_trial, self._id(n))) for n in missing]
+        for row in fresh:
+            (cached if row.outcome.ended else rows)[row.number] = row
+        if any(row.outcome.ended for row in fresh):
+            rowcache.save(path, key, [_row_to_data(row) for _, row in sorted(cached.items())])
+        return self._presented([row for _, row in sorted({**cached, **rows}.items())])
+
+    def _cache_key(self) -> str:
+        """What tells this study apart from another of the same name at the same URL."""
+        created = self.call(self._storage.get_study_user_attrs, self._study_id).get(STUDY_CREATED, "")
+        return f"{self.scenario.name}:{self._study_id}:{created}"
+
+    def _count_trials(self, at_least: int) -> int:
+        """How many trials the study has (numbers are 0..n-1), probing upwards from ``at_least``."""
+        def exists(number: int) -> bool:
+            try:
+                self._id(number)
+            except KeyError:
+                return False
+            return True
+
+        if at_least > 0 and not exists(at_least - 1):
+            return 0
+        low, step = at_least, 1
+        while exists(low + step - 1):
+            low, step = low + step, step * 2
+        high = low + step - 1
+        while low < high:
+            middle = (low + high) // 2
+            if exists(middle):
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def _presented(self, raw: list[TrialRow]) -> list[TrialRow]:
+        """Rows as users see them: constants added, a queued copy with its original's parameters."""
+        constant = any(p.type == "constant" for p in self.scenario.parameters.values())
+        rows = [dataclasses.replace(row, params=self.constants(dict(row.params))) for row in raw] if constant else raw
         by_number = {r.number: r for r in rows}
         for index, row in enumerate(rows):
             original = by_number.get(repeat_of(row) if row.outcome is Outcome.WAITING else None)  # type: ignore[arg-type]
-            if original is not None and not row.params:
+            if original is not None and not raw[index].params:
                 rows[index] = dataclasses.replace(row, params=original.params)
         return rows
 
@@ -269,6 +348,7 @@ class StudyStore:
         return space.with_constants(self.scenario.parameters, params)
 
     def _id(self, number: int) -> int:
+        """The storage's id of trial ``number``; KeyError if there is no such trial."""
         if number not in self._ids:
             self._ids[number] = self.call(self._storage.get_trial_id_from_study_id_trial_number,
                                           self._study_id, number)

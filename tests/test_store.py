@@ -200,3 +200,42 @@ def test_best_row(values: list[float | None], direction: str, best: int | None) 
     found = best_row(rows, direction)
     assert (found.number if found else None) == best
 
+
+
+def test_snapshot_reads_what_is_new_and_matches_rows(scenario: Scenario, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/snap.db"
+    store = StudyStore(scenario, url)
+    store.describe("name: demo\n")
+    for value in (0.3, 0.2, 0.1):
+        trial = store.ask()
+        trial.suggest_float("x", 0.0, 1.0)
+        store.record(trial.number, TrialResult(Outcome.COMPLETE, value, {"test_error": value}), "f")
+    running = store.ask()
+    running.suggest_float("x", 0.0, 1.0)
+    store.enqueue({"x": 0.5}, {"requeue_of": 0})
+    reader = StudyStore(scenario, url, create=False)
+    assert reader.snapshot() == store.rows()
+    cache = tmp_path / "snap.db.demo.hpo-rows.json"
+    assert cache.is_file() and cache.read_text().count('"number"') == 3
+    store.record(running.number, TrialResult(Outcome.FAIL, reason="exit code 1"), "f")
+    for value in (0.05, 0.04):
+        trial = store.ask()
+        trial.suggest_float("x", 0.0, 1.0)
+        store.record(trial.number, TrialResult(Outcome.COMPLETE, value), "f")
+    fresh = StudyStore(scenario, url, create=False)
+    assert fresh.snapshot() == store.rows()
+    assert [r.outcome for r in fresh.snapshot()][3:] == [Outcome.FAIL, Outcome.COMPLETE, Outcome.COMPLETE]
+
+
+def test_a_recreated_study_does_not_read_the_old_cache(scenario: Scenario, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/snap.db"
+    store = StudyStore(scenario, url)
+    store.describe("x")
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.5), "f")
+    assert [r.value for r in StudyStore(scenario, url, create=False).snapshot()] == [0.5]
+    optuna.delete_study(study_name="demo", storage=url)
+    again = StudyStore(scenario, url)
+    again.describe("x")
+    assert StudyStore(scenario, url, create=False).snapshot() == []
