@@ -74,8 +74,9 @@ def csv_points(scenario: Scenario) -> list[Point]:
     unknown = [name for name in header if name not in params]
     if unknown:
         raise InputError(f"{path.name}: column {unknown[0]} is not a parameter of the scenario")
-    if len(set(header)) != len(header):
-        raise InputError(f"{path.name}: a column name appears twice in the header")
+    repeated = [name for index, name in enumerate(header) if name in header[:index]]
+    if repeated:
+        raise InputError(f"{path.name}: column {repeated[0]} appears twice in the header")
     missing = [name for name in space.free_parameters(params) if name not in header]
     if missing:
         raise InputError(f"{path.name}: no column for parameter {missing[0]}")

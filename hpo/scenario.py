@@ -108,6 +108,8 @@ def _check_numeric(p: Param) -> None:
             raise ValueError(f"step: must be positive, got {p.step:g}")
         if p.log:
             raise ValueError("step: a log-scaled parameter cannot have a step")
+        if p.high > p.low and p.step > p.high - p.low:
+            raise ValueError(f"step: {p.step:g} is wider than the range [{p.low:g}, {p.high:g}]")
     if p.is_normal:
         if p.mean is None or p.std is None:
             raise ValueError(f"{'mean' if p.mean is None else 'std'}: distribution normal needs mean and std")

@@ -61,6 +61,8 @@ CASES = {
                                       "parameters": {"x": {"distribution": "normal", "mean": 0.5, "std": 0.1}}}),
     "held-out-is-the-metric": Case(("objective.held_out", "val_error is the objective metric"),
                                    {"objective": {"held_out": ["val_error"]}}),
+    "step-wider-than-range": Case(("parameters.x.step", "0.5 is wider than the range [0, 0.3]"),
+                                  {"parameters": {"x": {"high": 0.3, "step": 0.5}}}),
     "parallel-zero": Case(("resources.parallel", "must be at least 1 or auto, got 0"), {"resources": {"parallel": 0}}),
     "gpu-fraction-not-1-over-k": Case(("resources.gpus_per_trial", "0.3 is neither a whole number of GPUs nor a "
                                        "fraction 1/k"), {"resources": {"gpus_per_trial": 0.3}}),

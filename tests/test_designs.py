@@ -183,7 +183,7 @@ def test_csv_trials_take_the_first_rows(tmp_path: Path, write_scenario: WriteSce
         ("lr,units,opt,momentum\n", "design.csv: the design CSV has a header but no rows"),
         ("lr,units,opt,momentum,zz\n0.1,1,sgd,0,1\n", "design.csv: column zz is not a parameter"),
         ("lr,units,momentum\n0.1,1,0\n", "design.csv: no column for parameter opt"),
-        ("lr,lr,units,opt,momentum\n0.1,0.1,1,sgd,0\n", "design.csv: a column name appears twice"),
+        ("lr,lr,units,opt,momentum\n0.1,0.1,1,sgd,0\n", "design.csv: column lr appears twice in the header"),
         ("lr,units,opt,momentum\n0.1,1,sgd,0\n0.1,1\n", "design.csv line 3: 2 values for 4 columns"),
         ("lr,units,opt,momentum\n1.5,1,sgd,0\n", "design.csv line 2, column lr: 1.5 is outside [0, 1]"),
         ("lr,units,opt,momentum\n0.1,x,sgd,0\n", "design.csv line 2, column units: 'x' is not a number"),
