@@ -414,7 +414,8 @@ def cmd_rerun(args: argparse.Namespace) -> int:
         return code
     from hpo.progress import format_metrics
 
-    detail = format_metrics(result.value, ctx.scenario.objective.metric, result.held_out) or result.reason
+    detail = format_metrics(result.value, ctx.scenario.objective.metric, result.held_out) \
+        if result.outcome.value == "COMPLETE" else result.reason
     print(f"trial {row.number} (rerun of {args.trial}) {result.outcome.value} in {result.duration_s:.1f} s: "
           f"{detail}; folder {row.folder}")
     return EXIT_OK if result.outcome.value == "COMPLETE" else EXIT_ERROR

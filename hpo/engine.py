@@ -352,7 +352,7 @@ class _Control:
         self._sweep = sweep
         self._claim = claim
         self._slot = slot
-        self._pruning = sweep.config.scenario.search.pruner != "none"
+        self._pruning = sweep.config.scenario.search.pruner != "none" and claim.prunable
 
     def _running(self) -> _Running | None:
         with self._sweep._lock:

@@ -13,6 +13,7 @@ exceed the budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import uuid
@@ -42,8 +43,8 @@ def worker_id() -> str:
 @dataclass(frozen=True)
 class Claim:
     """A trial a slot has claimed: its number, parameter values (constants included), the
-    Optuna trial (for intermediate values), its folder, its process token and its
-    ``trial_seed``."""
+    Optuna trial (for intermediate values), its folder, its process token, its
+    ``trial_seed``, and whether a pruner may end it (a rerun runs to its end)."""
 
     number: int
     params: dict[str, Any]
@@ -51,6 +52,7 @@ class Claim:
     folder: Path
     token: str
     seed: int
+    prunable: bool = True
 
 
 def budget_used(rows: list[TrialRow]) -> int:
@@ -135,7 +137,7 @@ class Scheduler:
         store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
         queued = max(t.number for t in store.trials(states=(TrialState.WAITING,))
                      if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
-        return self._claimed(store.claim_waiting(queued), seed)
+        return dataclasses.replace(self._claimed(store.claim_waiting(queued), seed), prunable=False)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
         """The first design point that no trial covers (ran to its own end, runs or waits)."""
