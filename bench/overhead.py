@@ -67,8 +67,8 @@ class Collector:
         self._exited: dict[int, float] = {}
 
     def started(self, start: TrialStart) -> None:
-        if start.slot.index in self._exited:
-            self.gaps.append(time.monotonic() - self._exited.pop(start.slot.index))
+        if start.slot in self._exited:
+            self.gaps.append(time.monotonic() - self._exited.pop(start.slot))
 
     def exited(self, slot: int) -> None:
         self._exited[slot] = time.monotonic()

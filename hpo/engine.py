@@ -45,11 +45,13 @@ CLAIM_POLL_S = 1.0
 
 @dataclass(frozen=True)
 class TrialStart:
-    """A trial that a slot just launched."""
+    """A trial that a slot just launched: on which slot, and where in words
+    (e.g. ``1 process on 1/4 of GPU 0``)."""
 
     number: int
     params: Mapping[str, Any]
-    slot: Slot
+    slot: int
+    where: str
     folder: Path
 
 
@@ -367,7 +369,8 @@ class _Control:
         if running is not None:
             running.started = True
         if self._sweep._observer:
-            self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot, claim.folder))
+            self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot.index,
+                                                    self._slot.describe(), claim.folder))
         fault_point("started", claim.number)
 
     def intermediate(self, step: int, value: float) -> bool:

@@ -147,7 +147,8 @@ class ProgressView:
         with self._lock:
             self._started[start.number] = time.monotonic()
         if self._live is None:
-            where = f" on slot {start.slot.index} ({start.slot.describe()})" if start.slot.index >= 0 else ""
+            where = f" on slot {start.slot}" if start.slot >= 0 else ""
+            where += f" ({start.where})" if start.where else ""
             self._print(f"trial {start.number} started{where}: {format_params(start.params)}")
 
     def finished(self, end: TrialEnd) -> None:
@@ -204,7 +205,6 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
     seen ended is ``finished``; each event is sent once.
     """
     from hpo.engine import TrialEnd, TrialStart
-    from hpo.launch import Slot
     started: set[int] = set()
     ended: set[int] = {row.number for row in store.rows() if row.outcome.ended}
     while True:
@@ -212,8 +212,8 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
         for row in store.rows():
             if row.outcome is Outcome.RUNNING and row.number not in started:
                 started.add(row.number)
-                slot = Slot(row.slot if row.slot is not None else -1, (), 1, 1)
-                observer.started(TrialStart(row.number, row.params, slot, Path(row.folder)))
+                observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot,
+                                            f"GPUs {row.gpus}" if row.gpus else "", Path(row.folder)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
                 result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)

@@ -237,3 +237,21 @@ def test_two_runs_share_one_store_without_exceeding_the_budget(tmp_path: Path, m
     rows = export(path)
     assert len(rows) == 10 and all(r["state"] == "COMPLETE" for r in rows)
     assert len({r["x"] for r in rows}) == 10
+
+
+def test_resuming_in_a_changed_space_is_refused_unless_allowed(tmp_path: Path) -> None:
+    path = scenario(tmp_path, trials=2, parallel=1, steps=1, pause=0.0)
+    assert hpo("run", str(path)).returncode == 0
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text(path.read_text().replace("x: {type", "width: {type").replace("{{ x }}", "{{ width }}")
+                       .replace("trials: 2", "trials: 3"))
+    (tmp_path / "trial.py.j2").write_text(SLEEPY.replace("{{ x }}", "{{ width }}"))
+    refused = hpo("run", str(renamed), "--workdir", str(tmp_path / "runs" / "sweep"))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().startswith("error: parameters.x: the study's trials have this parameter, the "
+                                             "scenario no longer (renamed to width?)")
+    allowed = hpo("run", str(renamed), "--workdir", str(tmp_path / "runs" / "sweep"), "--allow-space-change")
+    assert allowed.returncode == 0, allowed.stderr
+    exported = hpo("export", str(renamed), "--workdir", str(tmp_path / "runs" / "sweep"))
+    rows = list(csv.DictReader(io.StringIO(exported.stdout)))
+    assert len(rows) == 3 and rows[0]["x"] and rows[2]["width"] and not rows[2]["x"]
