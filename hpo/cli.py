@@ -398,8 +398,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_rerun(args: argparse.Namespace) -> int:
-    """Run trial N's configuration again as a new trial (rerun_of: N), e.g. to check that it
-    reproduces; --seed S changes its trial_seed. It does not count toward search.trials."""
+    """Run trial N's configuration again as a new trial, to check that it reproduces.
+
+    The new trial records rerun_of: N, runs the same rendered files and command (--seed S
+    gives it another trial_seed), is never pruned, and does not count toward search.trials.
+    """
     from hpo.engine import Sweep
 
     ctx = _context(args)
@@ -533,7 +536,7 @@ COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command in :data:`COMMANDS`."""
     parser = _Parser(prog="hpo", description="Hyper-parameter optimization of PyTorch training scripts.",
-                     epilog=(__doc__ or "").split("Environment: ")[-1].replace("``", ""),
+                     epilog="environment:\n" + (__doc__ or "").split("Environment: ")[-1].replace("``", ""),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hpo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -194,7 +194,8 @@ def test_pruning_ends_bad_trials(tmp_path: Path) -> None:
 def test_tail_follows_a_running_trial_to_its_end(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=1, parallel=1, steps=30, pause=0.1)
     run = hpo_background("run", str(path))
-    wait_for(lambda: "0" in running_trials(path))
+    wait_for(lambda: "0" in running_trials(path) or run.poll() is not None, timeout=120)
+    assert run.poll() is None, run.communicate()
     tail = hpo("tail", str(path), "0", timeout=60)
     run.wait(timeout=60)
     assert tail.returncode == 0

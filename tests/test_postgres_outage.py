@@ -88,7 +88,7 @@ def rows(path: Path) -> list[dict[str, str]]:
 
 
 def wait_for_done(path: Path, count: int, run: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 240
     while sum(r["state"] == "COMPLETE" for r in rows(path)) < count:
         assert time.monotonic() < deadline and run.poll() is None
         time.sleep(0.5)
