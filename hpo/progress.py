@@ -64,12 +64,17 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
                  mean_duration_s=sum(durations) / len(durations) if durations else None)
 
 
+LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
+
+
 def summary_line(t: Tally, metric: str) -> str:
     """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``."""
-    own = [o for o in Outcome if o.own and t.counts.get(o)]
-    parts = [f"{t.counts[o]} {o.value.lower()}" for o in own]
-    again = [f"{t.counts[o]} {o.value.lower()}" for o in (Outcome.LOST, Outcome.INTERRUPTED) if t.counts.get(o)]
-    pending = [f"{t.counts[o]} {o.value.lower()}" for o in (Outcome.RUNNING, Outcome.WAITING) if t.counts.get(o)]
+    def count(o: Outcome) -> str:
+        return f"{t.counts[o]} {LABELS.get(o, o.value.lower())}"
+
+    parts = [count(o) for o in Outcome if o.own and t.counts.get(o)]
+    again = [count(o) for o in (Outcome.LOST, Outcome.INTERRUPTED) if t.counts.get(o)]
+    pending = [count(o) for o in (Outcome.RUNNING, Outcome.WAITING) if t.counts.get(o)]
     text = f"{t.done}/{t.budget} trials done" + (f": {', '.join(parts)}" if parts else "")
     if pending:
         text += f"; {', '.join(pending)}"
@@ -131,12 +136,15 @@ class ProgressView:
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
-        if self._live is not None:
-            self._live.__exit__(None, None, None)
         try:
             final = self._read()
-        except Exception:
+        except Exception:  # the store is down: the last counts seen
             final = self._tally
+        with self._lock:
+            self._tally = final
+            self._started.clear()
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
         self._print(summary_line(final, self._objective.metric))
 
     def _print(self, text: str) -> None:
