@@ -190,13 +190,10 @@ class Sweep:
         for thread in slots:
             thread.start()
         try:
-            while any(thread.is_alive() for thread in slots):
-                self._stopping.wait(0.2)
-                for thread in slots:
-                    thread.join(timeout=0.05)
-        finally:
             for thread in slots:
-                thread.join()
+                while thread.is_alive():  # short joins: the signal handlers run in this thread
+                    thread.join(0.2)
+        finally:
             self.watchdog.stop()
             self._executor.close()
         if self._fatal is not None:
@@ -227,29 +224,30 @@ class Sweep:
         claimed = self._next_claim()
         settled: Future[None] | None = None
         try:
-            while claimed is not None:
-                if self._stopping.is_set():
-                    self._release(claimed)
-                    break
+            while claimed is not None and not self._stopping.is_set():
                 ahead = books.submit(self._claim) if books else None
                 result = self._execute(slot, claimed)
-                if books is None or ahead is None:
+                if ahead is None:
                     self._settle(claimed, result)
                     claimed = self._next_claim()
                     continue
                 settled = books.submit(self._settle, claimed, result)
                 following = ahead.result()
-                if following is None or following == WAIT or self._stopping.is_set():
+                if not isinstance(following, Claim) or self._stopping.is_set():
                     settled.result()
                     if isinstance(following, Claim):
                         self._release(following)
                     following = self._next_claim()
                 claimed = following
+                if settled.done():
+                    settled.result()  # a failure to record stops the slot now, not after its next trial
+            if claimed is not None:
+                self._release(claimed)
         finally:
             if books:
                 books.shutdown(wait=True)
-            if settled is not None and settled.done() and settled.exception():
-                raise settled.exception()  # type: ignore[misc]
+        if settled is not None:
+            settled.result()
 
     def _next_claim(self) -> Claim | None:
         """The next trial for a slot, waiting while other workers' last trials still run."""
