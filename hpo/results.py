@@ -287,8 +287,9 @@ _ERROR_LINE = re.compile(
     r"|^terminate called "  # a C++ exception that nothing caught
     r"|^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt)(?::|$)"  # an exception line without its traceback
     r"|can't open file|No such file or directory|command not found|: not found$")
-_SIGNAL_LINE = re.compile(r"^(?:.*:\s+)?(?:\d+\s+)?(?:Killed|Segmentation fault|Bus error|Aborted|Floating point exception"
-                          r"|Illegal instruction)\b")  # what a shell prints for a process that a signal ended
+_SIGNAL_LINE = re.compile(  # what a shell prints for a process that a signal ended
+    r"^(?:.*:\s+)?(?:\d+\s+)?"
+    r"(?:Killed|Segmentation fault|Bus error|Aborted|Floating point exception|Illegal instruction)\b")
 _LOG_ERROR = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^\W*(?:[Ee]rror|[Ff]atal)\b")
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: ?(.*)$")
 
