@@ -25,6 +25,7 @@ This module must stay cheap to import: trial scripts import :func:`report` from 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -145,7 +146,7 @@ def _parse_formats(line: str) -> _Parsed | None:
     """The metrics of a JSON, ``key=value`` or ``name<TAB>value`` line, or None."""
     if line.startswith("{"):
         return _parse_json(line)
-    return _parse_tab_pair(line) if "\t" in line else _parse_pairs(line)
+    return (_parse_tab_pair(line) if "\t" in line else None) or _parse_pairs(line)
 
 
 def parse_smac_line(line: str, quality_name: str) -> MetricLine | None:
@@ -217,8 +218,9 @@ class MetricParser:
         invalid.update(unmatched)
         if not values and not invalid:
             return None
-        if STEP_KEY in values:
-            step = int(values.pop(STEP_KEY))
+        reported_step = values.pop(STEP_KEY, math.nan)
+        if math.isfinite(reported_step):
+            step = int(reported_step)
             self._intermediate.append((step, dict(values)))
             return MetricLine(values=values, step=step)
         self._record_final(values, invalid)
@@ -237,7 +239,7 @@ class MetricParser:
         found = []
         for name, pattern in self._patterns.items():
             match = pattern.search(text)
-            if match:
+            if match and match.group(1) is not None:
                 found.append((name, match.group(1)))
         return _split(found)
 

@@ -43,6 +43,8 @@ FORMAT_CASES = [
                                                                   "top5.acc": 0.9}, None, None, id="pairs-separated"),
     pytest.param("step=2 val_error=0.4", {"val_error": 0.4}, 2, None, id="pairs-step"),
     pytest.param("val_error\t0.12", {"val_error": 0.12}, None, None, id="tab"),
+    pytest.param("val_error=0.12\ttest_error=0.13", {"val_error": 0.12, "test_error": 0.13}, None, None,
+                 id="pairs-tab-separated"),
     pytest.param("Lift coefficient \t 1.25e-1", {"Lift coefficient": 0.125}, None, None, id="tab-spaced-name"),
     pytest.param("Result of this algorithm run: SAT, 1.3, 0, 0.12, 1", {"runtime": 1.3, "val_error": 0.12},
                  None, "SAT", id="smac-sat"),
@@ -287,6 +289,12 @@ def test_a_pattern_match_that_is_not_a_number_is_invalid(lines: list[str], final
     assert metrics.final.keys() == final.keys()
     assert all(math.isnan(v) if math.isnan(final[k]) else v == final[k] for k, v in metrics.final.items())
     assert metrics.invalid == invalid
+
+
+def test_odd_steps_and_optional_groups_do_not_break_the_parser() -> None:
+    metrics = parse_text('{"step": NaN, "val_error": 0.4}\nloss: \nloss: 0.2', "loss", {"loss": r"loss: ([0-9.]+)?"})
+    assert metrics.intermediate == ()
+    assert metrics.final == {"val_error": 0.4, "loss": 0.2}
 
 
 def test_patterns_add_to_the_built_in_formats() -> None:
