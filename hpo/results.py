@@ -287,7 +287,7 @@ _OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|HIP out of memo
 _ERROR_LINE = re.compile(
     r"^[\w.\-/]+: error: "  # argparse: "main.py: error: unrecognized arguments: ..."
     r"|^terminate called "  # a C++ exception that nothing caught
-    r"|^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Interrupt)(?::|$)"  # an exception line without its traceback
+    r"|^(?:[\w.]+\.)?(?:[A-Z]\w*)?(?:Error|Exception|Interrupt)(?::|$)"  # an exception line without its traceback
     r"|can't open file|No such file or directory|command not found|: not found$")
 _SIGNAL_LINE = re.compile(  # what a shell prints for a process that a signal ended
     r"^(?:.*:\s+)?(?:\d+\s+)?"

@@ -663,6 +663,8 @@ ERROR_CASES = [
     pytest.param("python: can't open file '/home/ada/runs/x/trial_0000/tran.py': [Errno 2] No such file or directory\n",
                  "python: can't open file '/home/ada/runs/x/trial_0000/tran.py': [Errno 2] No such file or directory",
                  None, id="cannot-open-script"),
+    pytest.param("loading data\nException: no file matches data/*.npz\n", "Exception: no file matches data/*.npz", None,
+                 id="exception-line-without-traceback"),
     pytest.param("", "", None, id="empty"),
     pytest.param(MNIST_OUTPUT, "", None, id="a-clean-run"),
 ]
