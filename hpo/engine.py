@@ -34,7 +34,7 @@ from hpo.recovery import recover_stale
 from hpo.render import LOG_FILE, PARAMS_FILE, Renderer, trial_folder, trial_seed
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
-from hpo.scheduler import WAIT, Claim, Scheduler
+from hpo.scheduler import Claim, Scheduler
 from hpo.spacecheck import space_change
 from hpo.storage import StoreUnavailable
 from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, TrialRow, scenario_text

@@ -26,11 +26,10 @@ from typing import Any, Mapping, Protocol, Sequence
 from hpo.launch import Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
-from hpo.results import MetricParser, Metrics, last_error_line, out_of_gpu_memory
+from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, last_error_line, out_of_gpu_memory
 from hpo.scenario import Objective
 
 TAIL_LINES = 200
-SMAC_OK_STATUSES = frozenset({"SAT", "SUCCESS"})
 _TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 
 
@@ -169,11 +168,11 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         return ended(Outcome.INTERRUPTED, "interrupted: the sweep was stopped; it runs again on resume")
     if ended_by is not None:
         return ended(Outcome.FAIL, ended_by)
-    oom = out_of_gpu_memory(tail)
-    if oom is not None:
-        return ended(Outcome.FAIL, f"out of GPU memory: {oom}")
     if exit_code == -signal.SIGKILL or (exit_code != 0 and any(_TORCHRUN_SIGKILL.search(x) for x in tail)):
         return ended(Outcome.FAIL, "killed by SIGKILL (out of host memory?)")
+    oom = out_of_gpu_memory(tail)
+    if exit_code != 0 and oom is not None:
+        return ended(Outcome.FAIL, f"out of GPU memory: {oom}")
     if exit_code < 0:
         return ended(Outcome.FAIL, _with_line(f"killed by {signal.Signals(-exit_code).name}", tail))
     if metrics.smac_status is not None and metrics.smac_status not in SMAC_OK_STATUSES:
@@ -185,7 +184,8 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     if metric not in metrics.final:
         if metric in metrics.invalid:
             return ended(Outcome.FAIL, f"{metric} is not a number: {metrics.invalid[metric]}")
-        return ended(Outcome.FAIL, _with_line(f"{metric} was never reported", tail))
+        cause = f"out of GPU memory: {oom}" if oom is not None else f"{metric} was never reported"
+        return ended(Outcome.FAIL, cause if oom is not None else _with_line(cause, tail))
     value = metrics.final[metric]
     if not math.isfinite(value):
         return ended(Outcome.FAIL, f"{metric} is {value}")

@@ -46,11 +46,6 @@ class Outcome(str, enum.Enum):
         """Whether the trial's configuration runs again (it did not fail on its own merits)."""
         return self in (Outcome.LOST, Outcome.INTERRUPTED)
 
-    @property
-    def failed(self) -> bool:
-        """Whether the outcome is a failure of some kind (shown in red, counted as failed)."""
-        return self in (Outcome.FAIL, Outcome.TIMEOUT, Outcome.LOST)
-
     def __str__(self) -> str:
         return self.value
 

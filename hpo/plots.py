@@ -1,127 +1,618 @@
 """PNG charts of a study: a pure "compute the data" step, then a "draw it" step.
 
-* ``history.png``: every trial's objective, the best so far, and the held-out metric of the
-  best-so-far trial (what a user reports), against trial number;
-* ``states.png``: how trials ended;
-* Optuna's own charts where they apply: parameter importances, slice and parallel
-  coordinates (they need at least two completed trials).
+* ``history.png``: each completed trial's objective, the best so far and the held-out
+  metrics of the best-so-far trial (what a user reports), against the trial number (a
+  held-out metric on another scale gets its own panel); below, the trials without a value,
+  one row per state in its colour; with no completed trial, the commonest failure reason;
+* ``states.png``: how the trials ended, one colour per :class:`~hpo.outcome.Outcome`;
+* ``importances.png``: each parameter's share of the objective's variance by fANOVA;
+* ``slice.png`` and ``parallel.png``: Optuna's own charts, titled and with readable log ticks.
+
+The objective's axis is chosen from the values (:func:`value_axis`): a log axis when they
+span orders of magnitude, an axis clipped to the bulk when a few outliers would squash the
+rest, and the chart says so. The last three charts need two completed trials.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import textwrap
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import matplotlib
+import matplotlib.style
+import numpy as np
+from matplotlib.collections import LineCollection
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from hpo.errors import InputError
+from hpo.outcome import Outcome
+from hpo.scenario import Param, Scenario
 
-from hpo.errors import InputError  # noqa: E402
-from hpo.scenario import Scenario  # noqa: E402
-from hpo.store import TrialRow  # noqa: E402
+if TYPE_CHECKING:
+    import optuna
+    from matplotlib.axes import Axes
+
+DPI = 110
+LOG_SPAN = 100.0
+OUTLIER_FENCE = 3.0
+SQUASH = 10.0
+FEW_OUTLIERS = 0.1
+FANOVA_TREES = 32
+FANOVA_DEPTH = 6
+FEW_TRIALS = 10
+OUTLIER_LABELS = 5
+LABEL_INCHES = 0.55
+LOG_SUBS = ((1.0, 2.0, 5.0), (1.0, 3.0), (1.0,))
+MANY_LINES = 200
+HELD_OUT_PANEL = "held out: "
+STATE_STYLE: Mapping[Outcome, tuple[str, str]] = {
+    Outcome.COMPLETE: ("#2e7d32", "ran to the end"),
+    Outcome.PRUNED: ("#f9a825", "stopped early by the pruner"),
+    Outcome.STOPPED: ("#c49a6c", "stopped by a user"),
+    Outcome.TIMEOUT: ("#8e0000", "killed at resources.timeout"),
+    Outcome.FAIL: ("#e53935", "crashed or reported no valid metric"),
+    Outcome.LOST: ("#757575", "its worker died: runs again, not its fault"),
+    Outcome.INTERRUPTED: ("#b0bec5", "the sweep stopped: runs again, not its fault"),
+    Outcome.RUNNING: ("#1e88e5", "running"),
+    Outcome.WAITING: ("#90caf9", "waiting to start"),
+}
+"""Each outcome's colour and what it means, in the order the charts list them."""
+
+
+class PlotRow(Protocol):
+    """What the charts read of a trial (``hpo.store.TrialRow`` has it)."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+    @property
+    def value(self) -> float | None: ...
+    @property
+    def held_out(self) -> Mapping[str, float]: ...
+    @property
+    def reason(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ValueAxis:
+    """How an objective axis is drawn.
+
+    Args:
+        scale: ``linear`` or ``log``.
+        low, high: the limits of the axis.
+        below, above: how many values lie outside the limits (drawn at the edge, clipped).
+    """
+
+    scale: str
+    low: float
+    high: float
+    below: int = 0
+    above: int = 0
+
+    @property
+    def clipped(self) -> bool:
+        """Whether some values lie outside the axis."""
+        return bool(self.below or self.above)
+
+    @property
+    def note(self) -> str:
+        """What the axis does to the values, for its label ('' for a plain linear axis)."""
+        if self.scale == "log":
+            return "log scale"
+        parts = [f"{self.above} above {self.high:.3g}" if self.above else "",
+                 f"{self.below} below {self.low:.3g}" if self.below else ""]
+        return "clipped: " + ", ".join(p for p in parts if p) if self.clipped else ""
+
+    def label(self, metric: str) -> str:
+        """``metric`` with the axis note."""
+        return f"{metric} ({self.note})" if self.note else metric
+
+    def clip(self, value: float) -> float:
+        """``value`` moved onto the axis (unchanged on a log or unclipped axis)."""
+        return min(max(value, self.low), self.high) if self.clipped else value
+
+    def target(self, value: float) -> float:
+        """The value that importances and colour scales use: log10 on a log axis, else clipped."""
+        return math.log10(value) if self.scale == "log" else self.clip(value)
+
+    def target_label(self, metric: str) -> str:
+        """What :meth:`target` measures."""
+        if self.scale == "log":
+            return f"log10({metric})"
+        return f"{metric} (clipped to {self.low:.3g}..{self.high:.3g})" if self.clipped else metric
+
+
+def _fences(values: np.ndarray) -> tuple[float, float]:
+    q1, q3 = np.percentile(values, [25, 75])
+    spread = q3 - q1
+    return float(q1 - OUTLIER_FENCE * spread), float(q3 + OUTLIER_FENCE * spread)
+
+
+def _padded(low: float, high: float, scale: str) -> tuple[float, float]:
+    if scale == "log":
+        pad = (math.log10(high) - math.log10(low)) * 0.05 or 0.05
+        return low / 10 ** pad, high * 10 ** pad
+    pad = (high - low) * 0.05 or (abs(high) * 0.05 or 0.5)
+    return low - pad, high + pad
+
+
+def value_axis(values: Sequence[float]) -> ValueAxis | None:
+    """The axis for ``values`` (None when there is no finite value).
+
+    A few outliers (at most 10 %, beyond 3 interquartile ranges of the bulk, measured in
+    log space when every value is positive and they span two orders of magnitude) that
+    stretch the axis more than tenfold are clipped: a linear axis covers the bulk (unless it
+    spans two orders of magnitude itself) and they are drawn at its edge. Otherwise positive
+    values spanning two orders of magnitude get a log axis, and anything else a linear one.
+    """
+    finite = np.array([v for v in values if math.isfinite(v)], dtype=float)
+    if finite.size == 0:
+        return None
+    spans_decades = bool(finite.min() > 0 and finite.max() / finite.min() >= LOG_SPAN)
+    space = np.log10(finite) if spans_decades else finite
+    if finite.size >= 4:
+        low_fence, high_fence = _fences(space)
+        inside = (space >= low_fence) & (space <= high_fence)
+        outliers = int(finite.size - inside.sum())
+        bulk = finite[inside]
+        stretch = np.ptp(finite) / max(np.ptp(bulk), 1e-12 * max(abs(bulk.max()), 1.0))
+        bulk_spans_decades = bulk.min() > 0 and bulk.max() / bulk.min() >= LOG_SPAN
+        if 0 < outliers <= max(1, FEW_OUTLIERS * finite.size) and stretch > SQUASH and not bulk_spans_decades:
+            low, high = _padded(float(bulk.min()), float(bulk.max()), "linear")
+            return ValueAxis("linear", low, high, int((finite < low).sum()), int((finite > high).sum()))
+    scale = "log" if spans_decades else "linear"
+    low, high = _padded(float(finite.min()), float(finite.max()), scale)
+    return ValueAxis(scale, low, high)
 
 
 @dataclass(frozen=True)
 class History:
-    """The data of the history chart."""
+    """The data of the history chart.
+
+    Args:
+        numbers, values: the completed trials and their objective values.
+        best_values: the best value so far at each completed trial.
+        best_trial: the number of the best trial (None when no trial completed).
+        best_held_out: per held-out metric, its value in the best-so-far trial (NaN if not reported).
+        axis: the objective's axis (None when no trial completed).
+        held_out_apart: the held-out metrics that do not fit the objective's axis (another scale):
+            each gets its own panel; the others are drawn beside the objective.
+        others: the numbers of the trials that did not complete, by state.
+        last_number: the highest trial number.
+        top_reason: the commonest reason of the failed trials and how many gave it.
+    """
 
     numbers: tuple[int, ...]
     values: tuple[float, ...]
-    best_numbers: tuple[int, ...]
     best_values: tuple[float, ...]
-    best_held_out: dict[str, tuple[float, ...]]
+    best_trial: int | None
+    best_held_out: Mapping[str, tuple[float, ...]]
+    axis: ValueAxis | None
+    held_out_apart: tuple[str, ...]
+    others: Mapping[Outcome, tuple[int, ...]]
+    last_number: int
+    top_reason: tuple[str, int] | None
 
 
-def history_data(rows: list[TrialRow], direction: str, held_out: tuple[str, ...]) -> History:
-    """Objective per completed trial, the running best, and that best trial's held-out metrics."""
-    done = [r for r in rows if r.value is not None and math.isfinite(r.value)]
-    better = (lambda a, b: a < b) if direction == "minimize" else (lambda a, b: a > b)
-    best: TrialRow | None = None
-    best_numbers: list[int] = []
+def _completed(rows: Sequence[PlotRow]) -> list[PlotRow]:
+    return [r for r in rows if r.value is not None and math.isfinite(r.value)]
+
+
+def _fits(values: Sequence[float], axis: ValueAxis) -> bool:
+    """Whether ``values`` belong on ``axis``: within it, give or take a quarter of its span."""
+    finite = [v for v in values if math.isfinite(v)]
+    if axis.scale == "log":
+        if any(v <= 0 for v in finite):
+            return False
+        low, high, finite = math.log10(axis.low), math.log10(axis.high), [math.log10(v) for v in finite]
+    else:
+        low, high = axis.low, axis.high
+    margin = (high - low) / 4
+    return all(low - margin <= v <= high + margin for v in finite)
+
+
+def history_data(rows: Sequence[PlotRow], direction: str, held_out: Sequence[str]) -> History:
+    """Objective per completed trial, the running best, that best trial's held-out metrics, the others."""
+    done = _completed(rows)
+    pick = min if direction == "minimize" else max
+    best: PlotRow | None = None
     best_values: list[float] = []
     best_held: dict[str, list[float]] = {name: [] for name in held_out}
     for row in done:
-        if best is None or better(row.value, best.value):
-            best = row
-        best_numbers.append(row.number)
+        best = row if best is None else pick(best, row, key=lambda r: r.value)  # type: ignore[arg-type, return-value]
         best_values.append(float(best.value))  # type: ignore[arg-type]
         for name in held_out:
-            best_held[name].append(best.held_out.get(name, math.nan))
-    return History(tuple(r.number for r in done), tuple(float(r.value) for r in done),  # type: ignore[arg-type]
-                   tuple(best_numbers), tuple(best_values), {k: tuple(v) for k, v in best_held.items()})
+            best_held[name].append(float(best.held_out.get(name, math.nan)))
+    values = tuple(float(r.value) for r in done)  # type: ignore[arg-type]
+    axis = value_axis(values)
+    done_numbers = {row.number for row in done}
+    others: dict[Outcome, list[int]] = {}
+    for row in rows:
+        if row.number not in done_numbers:
+            others.setdefault(Outcome(row.state), []).append(row.number)
+    reasons = Counter(r.reason for r in rows if r.reason and Outcome(r.state) in (Outcome.FAIL, Outcome.TIMEOUT))
+    return History(
+        numbers=tuple(r.number for r in done), values=values, best_values=tuple(best_values),
+        best_trial=best.number if best else None, best_held_out={k: tuple(v) for k, v in best_held.items()},
+        axis=axis,
+        held_out_apart=tuple(name for name, series in best_held.items() if axis and not _fits(series, axis)),
+        others={state: tuple(numbers) for state, numbers in others.items()},
+        last_number=max((r.number for r in rows), default=0),
+        top_reason=reasons.most_common(1)[0] if reasons else None)
 
 
-def draw_history(data: History, metric: str, title: str, path: Path) -> Path:
-    """Draw :class:`History` to ``path``."""
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.scatter(data.numbers, data.values, s=18, alpha=0.6, label=f"{metric} of each trial")
-    ax.step(data.best_numbers, data.best_values, where="post", color="C1", lw=2, label=f"best {metric} so far")
-    for index, (name, values) in enumerate(data.best_held_out.items()):
-        ax.step(data.best_numbers, values, where="post", color=f"C{index + 2}", lw=1.5, ls="--",
-                label=f"{name} of the best trial (held out)")
-    ax.set_xlabel("trial")
-    ax.set_ylabel(metric)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+@dataclass(frozen=True)
+class StateBar:
+    """One bar of the states chart: an outcome, how many trials ended so, its colour and meaning."""
+
+    outcome: Outcome
+    count: int
+    colour: str
+    meaning: str
+
+    @property
+    def label(self) -> str:
+        """The bar's label: the outcome and what it means."""
+        return f"{self.outcome.value}: {self.meaning}"
 
 
-def draw_states(rows: list[TrialRow], title: str, path: Path) -> Path:
-    """Bar chart of how many trials ended in each state."""
-    counts = Counter(row.state for row in rows)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    names = sorted(counts)
-    ax.bar(names, [counts[n] for n in names], color=["C2" if n == "COMPLETE" else "C3" for n in names])
-    ax.set_ylabel("trials")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+def states_data(rows: Sequence[PlotRow]) -> tuple[StateBar, ...]:
+    """One bar per outcome that occurs, in :data:`STATE_STYLE` order."""
+    counts = Counter(Outcome(row.state) for row in rows)
+    return tuple(StateBar(outcome, counts[outcome], *STATE_STYLE[outcome]) for outcome in STATE_STYLE
+                 if counts[outcome])
 
 
-def _optuna_chart(draw: Callable[..., Any], study: Any, path: Path, **kwargs: Any) -> Path | None:
+@dataclass(frozen=True)
+class Importances:
+    """Each parameter's fANOVA importance (most important first), of what, from how many trials."""
+
+    params: tuple[str, ...]
+    values: tuple[float, ...]
+    target: str
+    trials: int
+
+
+def varying_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
+    """The scenario's parameters that every completed trial has and that took two values or more."""
+    done = _completed(rows)
+    names = [n for n, p in parameters.items() if p.type != "constant" and done and all(n in r.params for r in done)]
+    return [n for n in names if len({repr(r.params[n]) for r in done}) > 1]
+
+
+def importance_data(study: optuna.Study, params: list[str], metric: str, axis: ValueAxis,
+                    seed: int) -> Importances | None:
+    """fANOVA importances of ``params`` for ``metric`` as ``axis`` measures it (None if they cannot be had).
+
+    Args:
+        study: the study (its completed trials are used).
+        params: the parameters to rank (every completed trial has them).
+        metric: the objective's name.
+        axis: the objective's axis: importances are of log10 on a log axis, of clipped values on a clipped one.
+        seed: the seed of fANOVA's forest (32 trees of depth 6: under a second at 2,000 trials).
+    """
+    from optuna.importance import FanovaImportanceEvaluator, get_param_importances
+    from optuna.trial import TrialState
+
+    evaluator = FanovaImportanceEvaluator(n_trees=FANOVA_TREES, max_depth=FANOVA_DEPTH, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            result = draw(study, **kwargs)
+            found = get_param_importances(study, evaluator=evaluator, params=params,
+                                          target=lambda t: axis.target(float(t.value)))
         except (ValueError, RuntimeError, ZeroDivisionError):
             return None
-    figure = result.flat[0].figure if hasattr(result, "flat") else result.figure
-    figure.set_size_inches(max(figure.get_size_inches()[0], 8), max(figure.get_size_inches()[1], 4.5))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    ranked = sorted(found.items(), key=lambda item: -item[1])
+    trials = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    return Importances(tuple(n for n, _ in ranked), tuple(float(v) for _, v in ranked), axis.target_label(metric),
+                       trials)
+
+
+@contextlib.contextmanager
+def _style() -> Iterator[None]:
+    """Matplotlib's default style for hpo's own charts, whatever style another library set."""
+    with matplotlib.style.context("default"), matplotlib.rc_context({"axes.grid": True, "grid.alpha": 0.3}):
+        yield
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.savefig(path)
     return path
 
 
-def draw_all(study: Any, scenario: Scenario, folder: Path, rows: list[TrialRow]) -> list[Path]:
-    """Draw every chart that the study's trials (``rows``) allow into ``folder``; return the files."""
+def _draw_values(ax: Axes, data: History, metric: str) -> None:
+    axis = data.axis
+    assert axis is not None
+    ax.set_yscale(axis.scale)
+    ax.set_ylim(axis.low, axis.high)
+    shown = [(n, v) for n, v in zip(data.numbers, data.values) if not axis.clipped or axis.low <= v <= axis.high]
+    size = 18 if len(shown) < MANY_LINES else 6
+    ax.scatter([n for n, _ in shown], [v for _, v in shown], s=size, alpha=0.7, color="C0",
+               label=f"{metric} of each completed trial")
+    for edge, marker, off in ((axis.high, "^", lambda v: v > axis.high), (axis.low, "v", lambda v: v < axis.low)):
+        out = [(n, v) for n, v in zip(data.numbers, data.values) if axis.clipped and off(v)]
+        if not out:
+            continue
+        ax.scatter([n for n, _ in out], [edge] * len(out), marker=marker, s=50, color="C3", clip_on=False, zorder=3,
+                   label=f"{metric} off the axis ({len(out)}), drawn at its edge")
+        for number, value in out[:OUTLIER_LABELS]:
+            ax.annotate(f"{value:.3g}", (number, edge), xytext=(5, -12 if marker == "^" else 4),
+                        textcoords="offset points", fontsize=8, color="C3")
+    best = f" (now {data.best_values[-1]:.4g}, trial {data.best_trial})" if data.best_values else ""
+    ax.step(data.numbers, [axis.clip(v) for v in data.best_values], where="post", color="C1", lw=2,
+            label=f"best {metric} so far{best}")
+    ax.set_ylabel(axis.label(metric))
+
+
+def _draw_held_out(axes: Mapping[str, Axes], data: History, axis: ValueAxis) -> None:
+    """The held-out metrics of the best trial so far: beside the objective on its axis, or each in its panel."""
+    for index, (name, values) in enumerate(data.best_held_out.items()):
+        now = f" (now {values[-1]:.4g})" if values and math.isfinite(values[-1]) else ""
+        apart = name in data.held_out_apart
+        ax = axes[HELD_OUT_PANEL + name] if apart else axes["values"]
+        ax.step(data.numbers, values if apart else [axis.clip(v) for v in values], where="post",
+                color=f"C{index + 2}", lw=1.5, ls="--", label=f"{name} of the best trial so far, held out{now}")
+        if apart:
+            ax.set_ylabel(f"{name} (held out)")
+            ax.legend(fontsize=8, loc="best")
+
+
+def _draw_others(ax: Axes, others: Mapping[Outcome, tuple[int, ...]]) -> None:
+    """One row of ticks per state, in its colour, for the trials that did not complete; rows named with counts."""
+    states = [state for state in STATE_STYLE if others.get(state)]
+    for row, state in enumerate(states):
+        numbers = others[state]
+        ax.scatter(numbers, [row] * len(numbers), marker="|", s=150, linewidths=2, color=STATE_STYLE[state][0])
+    ax.set_yticks(range(len(states)), [f"{state.value} ({len(others[state])})" for state in states], fontsize=8)
+    ax.set_ylim(len(states) - 0.5, -0.5)
+    ax.grid(False)
+    ax.set_title("trials without a value", fontsize=8, loc="left")
+
+
+def _no_value_text(data: History) -> str:
+    if data.top_reason is None:
+        return "no completed trial yet"
+    reason, count = data.top_reason
+    return f"no completed trial yet\n\ncommonest reason ({count}×):\n" + "\n".join(textwrap.wrap(reason, 80))
+
+
+def draw_history(data: History, study: str, metric: str, direction: str, path: Path) -> Path:
+    """Draw :class:`History` to ``path``: the objective, a panel per held-out metric on another scale, the others."""
+    panels = ["values", *(HELD_OUT_PANEL + name for name in data.held_out_apart)] + (["others"] if data.others else [])
+    heights = {"values": 3.4 if data.axis else 1.6, "others": 0.35 + 0.16 * len(data.others),
+               **{HELD_OUT_PANEL + name: 1.4 for name in data.held_out_apart}}
+    with _style():
+        figure = Figure(figsize=(10, 2 + sum(heights[p] for p in panels)), dpi=DPI, layout="constrained")
+        axes = dict(zip(panels, figure.subplots(len(panels), 1, sharex=True, squeeze=False,
+                                                height_ratios=[heights[p] for p in panels])[:, 0]))
+        total = len(data.numbers) + sum(len(n) for n in data.others.values())
+        figure.suptitle(f"{study}: {metric} by trial ({direction}; {total} trials, {len(data.numbers)} completed)")
+        main = axes["values"]
+        if data.axis is None:
+            main.set_yticks([])
+            main.set_ylabel(metric)
+            main.text(0.5, 0.5, _no_value_text(data), transform=main.transAxes, ha="center", va="center")
+        else:
+            _draw_values(main, data, metric)
+            _draw_held_out(axes, data, data.axis)
+            main.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=2, frameon=False)
+        if "others" in axes:
+            _draw_others(axes["others"], data.others)
+        main.set_xlim(-0.5, data.last_number + 0.5)
+        main.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[panels[-1]].set_xlabel("trial number")
+        return _save(figure, path)
+
+
+def draw_states(bars: Sequence[StateBar], study: str, path: Path) -> Path:
+    """Horizontal bars of how many trials ended in each state, each in its state's colour and labelled."""
+    with _style():
+        figure = Figure(figsize=(9, 1.3 + 0.45 * max(len(bars), 1)), dpi=DPI, layout="constrained")
+        ax = figure.subplots()
+        total = sum(bar.count for bar in bars)
+        positions = list(range(len(bars)))[::-1]
+        ax.barh(positions, [bar.count for bar in bars], color=[bar.colour for bar in bars], edgecolor="#424242")
+        ax.set_yticks(positions, [bar.label for bar in bars], fontsize=9)
+        for position, bar in zip(positions, bars):
+            ax.text(bar.count, position, f" {bar.count} ({100 * bar.count / total:.0f} %)", va="center", fontsize=9)
+        ax.set_xlim(0, max((bar.count for bar in bars), default=1) * 1.2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(axis="y", visible=False)
+        ax.set_axisbelow(True)
+        ax.set_xlabel("trials")
+        figure.suptitle(f"{study}: how the {total} trials ended")
+        return _save(figure, path)
+
+
+def draw_importances(data: Importances, study: str, path: Path) -> Path:
+    """Horizontal bars of each parameter's fANOVA importance, the most important on top."""
+    with _style():
+        figure = Figure(figsize=(9, 1.8 + 0.45 * len(data.params)), dpi=DPI, layout="constrained")
+        ax = figure.subplots()
+        positions = list(range(len(data.params)))[::-1]
+        ax.barh(positions, data.values, color="C0")
+        ax.set_yticks(positions, list(data.params))
+        for position, value in zip(positions, data.values):
+            ax.text(value, position, f" {value:.2f}", va="center", fontsize=9)
+        ax.set_xlim(0, 1.1)
+        ax.grid(axis="y", visible=False)
+        ax.set_axisbelow(True)
+        ax.set_xlabel(f"share of the variance of {data.target} that each parameter explains")
+        rough = " (few trials: a rough estimate)" if data.trials < FEW_TRIALS else ""
+        figure.suptitle(f"{study}: parameter importance for {data.target}\n"
+                        f"fANOVA over {data.trials} completed trials{rough}")
+        return _save(figure, path)
+
+
+def _tidy_axis(axis: Any, limits: tuple[float, float], integer: bool, inches: float) -> None:
+    """Readable ticks on an axis ``inches`` long: on a log axis plain numbers at 1, 2 and 5 times powers of
+    ten, or fewer of them until they fit, unlabelled minor ticks; on an integer parameter's axis whole numbers."""
+    low, high = sorted(limits)
+    if axis.get_scale() == "log" and low > 0:
+        room = max(2, int(inches / LABEL_INCHES))
+        for subs in LOG_SUBS:
+            ticks = [t for t in LogLocator(base=10, subs=subs, numticks="auto").tick_values(low, high)
+                     if low <= t <= high]
+            if len(ticks) <= room:
+                axis.set_major_locator(LogLocator(base=10, subs=subs, numticks="auto"))
+                break
+        else:
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0,), numticks=room))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    elif integer and axis.get_scale() == "linear":
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _recolour(figure: Any, cmap: str) -> None:
+    """Give the figure's colour-mapped artists ``cmap`` (Optuna's blues fade to white: invisible trials)."""
+    for ax in figure.axes:
+        for artist in ax.collections:
+            if artist.get_array() is not None:
+                artist.set_cmap(cmap)
+                if artist.colorbar is not None:
+                    artist.colorbar.update_normal(artist)
+
+
+class _OptunaChart:
+    """One of Optuna's matplotlib charts, drawn, titled, tidied and saved."""
+
+    def __init__(self, draw: Callable[[], Any], title: str, integers: frozenset[str], cmap: str) -> None:
+        self.draw, self.title, self.integers, self.cmap = draw, title, integers, cmap
+
+    def save(self, path: Path, prepare: Callable[[list[Any]], None] = lambda axes: None,
+             finish: Callable[[list[Any]], None] = lambda axes: None) -> Path | None:
+        """Draw to ``path``; None when Optuna cannot draw it for these trials.
+
+        Args:
+            path: the PNG file.
+            prepare: changes the axes before their ticks are tidied (a scale, say).
+            finish: changes the figure after that, just before it is saved.
+        """
+        import matplotlib.pyplot as plt
+
+        with matplotlib.rc_context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                result = self.draw()
+            except (ValueError, RuntimeError, ZeroDivisionError):
+                return None
+            axes = list(result.flat) if hasattr(result, "flat") else [result]
+            figure = axes[0].figure
+            try:
+                prepare(axes)
+                self._tidy(figure, axes)
+                finish(axes)
+                figure.savefig(path, dpi=DPI, bbox_inches="tight")
+            finally:
+                plt.close(figure)
+        return path
+
+    def _tidy(self, figure: Any, axes: list[Any]) -> None:
+        for ax in axes:
+            ax.set_title("")
+        figure.suptitle(self.title)
+        figure.set_size_inches(max(figure.get_size_inches()[0], 9), max(figure.get_size_inches()[1], 5))
+        _recolour(figure, self.cmap)
+        names = [label.get_text() for label in axes[0].get_xticklabels()]
+        width, height = figure.get_size_inches()
+        for ax in figure.axes:
+            box = ax.get_position()
+            _tidy_axis(ax.xaxis, ax.get_xlim(), ax.get_xlabel() in self.integers, box.width * width)
+            position = ax.spines["right"].get_position()
+            on_axes = isinstance(position, tuple) and position[0] == "axes" and len(names) > 1
+            index = round(position[1] * (len(names) - 1)) if on_axes else None
+            integer = index is not None and 0 <= index < len(names) and names[index] in self.integers
+            _tidy_axis(ax.yaxis, ax.get_ylim(), integer, box.height * height)
+
+
+def _thin_lines(axes: list[Any]) -> None:
+    """Many trials' lines thin and translucent, the axes' tick labels on a white ground so lines do not hide them."""
+    figure = axes[0].figure
+    for ax in figure.axes:
+        for artist in ax.collections:
+            if isinstance(artist, LineCollection) and len(artist.get_segments()) > MANY_LINES:
+                artist.set_linewidth(0.6)
+                artist.set_alpha(0.35)
+                if artist.colorbar is not None:
+                    artist.colorbar.solids.set_alpha(1.0)
+        for label in ax.get_yticklabels():
+            label.set_bbox({"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 0.5})
+
+
+def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], axis: ValueAxis, folder: Path,
+                   trials: int) -> list[Path]:
+    """``slice.png`` and ``parallel.png``: Optuna's charts of the completed trials, titled with the study."""
     from optuna.visualization import matplotlib as ov
 
+    metric, name = scenario.objective.metric, scenario.name
+    integers = frozenset(n for n in params if scenario.parameters[n].type == "int")
+    good_dark = "viridis" if scenario.objective.direction == "minimize" else "viridis_r"
+
+    def slice_axes(axes: list[Any]) -> None:
+        for ax in axes:
+            ax.set_yscale(axis.scale)
+            if trials > MANY_LINES:
+                for points in ax.collections:
+                    points.set_sizes([8])
+                    points.set_linewidth(0)
+        axes[0].set_ylabel(axis.label(metric))
+
+    slice_chart = _OptunaChart(
+        lambda: ov.plot_slice(study, params=params, target=None if axis.scale == "log" else (
+            lambda t: axis.clip(float(t.value))), target_name=axis.label(metric)),
+        f"{name}: {metric} against each parameter ({trials} completed trials; colour: trial number)",
+        integers, "viridis")
+    measured = f"log10({metric})" if axis.scale == "log" else metric
+    clipped = f"; {axis.note}" if axis.clipped else ""
+    parallel_chart = _OptunaChart(
+        lambda: ov.plot_parallel_coordinate(study, params=params, target=lambda t: axis.target(float(t.value)),
+                                            target_name=measured),
+        f"{name}: parameters of the {trials} completed trials (colour: {measured}, best darkest{clipped})",
+        integers, good_dark)
+    paths = [slice_chart.save(folder / "slice.png", slice_axes),
+             parallel_chart.save(folder / "parallel.png", finish=_thin_lines)]
+    return [p for p in paths if p is not None]
+
+
+def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
+             rows: Sequence[PlotRow] | None = None) -> list[Path]:
+    """Draw every chart that the study's trials allow into ``folder``; return the files.
+
+    Args:
+        study: the scenario's Optuna study.
+        scenario: the scenario (name, objective, parameters).
+        folder: where the PNG files go (created if need be).
+        rows: the study's trials as rows, if the caller has them (read from the study otherwise).
+    """
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    if rows is None:
+        from hpo.store import read_row
+
+        rows = [read_row(trial) for trial in study.get_trials(deepcopy=False)]
     if not rows:
         raise InputError(f"study {scenario.name} has no trials to plot yet")
     folder.mkdir(parents=True, exist_ok=True)
-    metric = scenario.objective.metric
-    paths = [draw_history(history_data(rows, scenario.objective.direction, scenario.objective.held_out),
-                          metric, f"{scenario.name}: {metric} by trial", folder / "history.png"),
-             draw_states(rows, f"{scenario.name}: trial outcomes", folder / "states.png")]
-    if sum(r.value is not None for r in rows) >= 2:
-        varying = [n for n, p in scenario.parameters.items() if p.type != "constant"]
-        for name, draw, kwargs in (("importances", ov.plot_param_importances, {"params": varying}),
-                                   ("slice", ov.plot_slice, {"params": varying}),
-                                   ("parallel", ov.plot_parallel_coordinate, {"params": varying})):
-            path = _optuna_chart(draw, study, folder / f"{name}.png", target_name=metric, **kwargs)
-            if path is not None:
-                paths.append(path)
-    return paths
+    objective = scenario.objective
+    history = history_data(rows, objective.direction, objective.held_out)
+    paths = [draw_history(history, scenario.name, objective.metric, objective.direction, folder / "history.png"),
+             draw_states(states_data(rows), scenario.name, folder / "states.png")]
+    params = varying_params(rows, scenario.parameters)
+    if history.axis is None or len(history.values) < 2 or not params:
+        return paths
+    importances = importance_data(study, params, objective.metric, history.axis, scenario.search.seed)
+    if importances is not None:
+        paths.append(draw_importances(importances, scenario.name, folder / "importances.png"))
+    return paths + _optuna_charts(study, scenario, params, history.axis, folder, len(history.values))

@@ -1,33 +1,49 @@
-"""Metric lines: the writer that trial scripts call and the parser that reads them back.
+"""Metric lines and error lines: the writer that trial scripts call and the parsers that read output back.
 
-A trial reports metrics by printing lines to stdout. Three formats are understood:
+A trial reports metrics by printing lines to stdout. Four formats are understood:
 
 * a JSON object line: ``{"val_error": 0.12, "test_error": 0.13}``
-* ``key=value`` lines (Rescale's post-processing format): ``val_error=0.12`` or several
-  pairs on one line, ``val_error=0.12 test_error=0.13``; the line must hold nothing else
+* ``key=value`` lines: ``val_error=0.12`` or several pairs on one line,
+  ``val_error=0.12 test_error=0.13``; the line must hold nothing else
+* ``name<TAB>value`` lines (Rescale's post-processing format): ``val_error\\t0.12``
 * SMAC's wrapper line: ``Result of this algorithm run: SAT, 1.3, 0, 0.12, 1`` (status,
   runtime, runlength, quality, seed[, extra]); the quality becomes the objective metric
 
 A line whose metrics include ``step`` is an intermediate report (one per epoch, say) that a
 pruner may act on; any other line reports final values, and the last value of a key wins.
 
+Scripts that cannot be edited are read with ``patterns``, a regular expression with one
+group per metric (``'Average loss: ([0-9.]+)'``), searched in every line; the last match
+wins. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets the current step: each match of the
+objective's pattern after it is also an intermediate value at that step.
+
+:func:`last_error_line` and :func:`out_of_gpu_memory` read a failed trial's last output
+lines for the line that says why it failed.
+
 This module must stay cheap to import: trial scripts import :func:`report` from it.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, TextIO
+from typing import TextIO
 
 STEP_KEY = "step"
 SMAC_PREFIXES = ("Result of this algorithm run:", "Result for SMAC:")
 SMAC_OK_STATUSES = frozenset({"SAT", "SUCCESS"})
 SMAC_STATUSES = frozenset({"SAT", "SUCCESS", "UNSAT", "TIMEOUT", "CRASHED", "ABORT", "MEMOUT"})
-_PAIR = re.compile(r"^\s*([A-Za-z_][\w.\-/]*)\s*=\s*(\S+?)\s*,?\s*$")
-_PAIRS = re.compile(r"([A-Za-z_][\w.\-/]*)\s*=\s*(\S+)")
+RESERVED_ATTRS = frozenset({"outcome", "reason", "duration_s", "folder", "worker", "slot", "gpus", "rerun_of",
+                            "retry_of", "requeue_of", "retries", "design_index", "lost_count"})
+"""User attributes that hpo writes on every trial; no held-out metric may take one of these names."""
+ERROR_LINE_CHARS = 200
+_PAIR_NAME = r"[A-Za-z_][\w.\-/]*"
+_PAIRS = re.compile(rf"({_PAIR_NAME})\s*=\s*(\S+)")
+_TAB_PAIR = re.compile(r"^([A-Za-z_][\w.\-/ ]*?)[ ]*\t[\t ]*(\S+)$")
 
 
 def report(step: int | None = None, file: TextIO | None = None, **metrics: float) -> None:
@@ -36,6 +52,11 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     Call with ``step`` for a per-epoch (intermediate) report and without it for the final
     values. Only the process of global rank 0 prints, so DDP scripts may call it on every
     rank. Values must be numbers; the line is flushed at once so the sweep sees it live.
+
+    Args:
+        step: the step (epoch) of an intermediate report; None for final values.
+        file: where to print (default: stdout).
+        metrics: the metric values by name.
     """
     if os.environ.get("RANK", "0") != "0":
         return
@@ -57,13 +78,20 @@ class MetricLine:
 
 @dataclass(frozen=True)
 class Metrics:
-    """Everything a trial's output reported, as the parser saw it so far."""
+    """Everything a trial's output reported, as the parser saw it so far.
+
+    ``final`` holds the last value of each metric; ``intermediate`` the per-step reports in
+    order; ``invalid`` the metrics whose last report was not a number (as printed).
+    """
 
     final: Mapping[str, float] = field(default_factory=dict)
     intermediate: tuple[tuple[int, Mapping[str, float]], ...] = ()
     invalid: Mapping[str, str] = field(default_factory=dict)
     smac_status: str | None = None
     smac_extra: str = ""
+
+
+_Parsed = tuple[dict[str, float], dict[str, str]]
 
 
 def _number(text: str) -> float | None:
@@ -73,7 +101,19 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _parse_json(line: str) -> tuple[dict[str, float], dict[str, str]] | None:
+def _split(pairs: Iterable[tuple[str, str]]) -> _Parsed:
+    values: dict[str, float] = {}
+    invalid: dict[str, str] = {}
+    for key, raw in pairs:
+        number = _number(raw)
+        if number is None:
+            invalid[key] = raw
+        else:
+            values[key] = number
+    return values, invalid
+
+
+def _parse_json(line: str) -> _Parsed | None:
     try:
         obj = json.loads(line)
     except ValueError:
@@ -90,23 +130,32 @@ def _parse_json(line: str) -> tuple[dict[str, float], dict[str, str]] | None:
     return values, invalid
 
 
-def _parse_pairs(line: str) -> tuple[dict[str, float], dict[str, str]] | None:
+def _parse_pairs(line: str) -> _Parsed | None:
     pairs = _PAIRS.findall(line)
     if not pairs or _PAIRS.sub("", line).strip(" \t,;") != "":
         return None
-    values: dict[str, float] = {}
-    invalid: dict[str, str] = {}
-    for key, raw in pairs:
-        number = _number(raw)
-        if number is None:
-            invalid[key] = raw
-        else:
-            values[key] = number
-    return values, invalid
+    return _split(pairs)
+
+
+def _parse_tab_pair(line: str) -> _Parsed | None:
+    match = _TAB_PAIR.match(line)
+    return _split([(match.group(1), match.group(2))]) if match else None
+
+
+def _parse_formats(line: str) -> _Parsed | None:
+    """The metrics of a JSON, ``key=value`` or ``name<TAB>value`` line, or None."""
+    if line.startswith("{"):
+        return _parse_json(line)
+    return (_parse_tab_pair(line) if "\t" in line else None) or _parse_pairs(line)
 
 
 def parse_smac_line(line: str, quality_name: str) -> MetricLine | None:
-    """Parse SMAC's ``Result of this algorithm run: STATUS, runtime, runlength, quality, seed``."""
+    """Parse SMAC's ``Result of this algorithm run: STATUS, runtime, runlength, quality, seed``.
+
+    Args:
+        line: one output line.
+        quality_name: the metric that the quality field is stored as.
+    """
     text = line.strip()
     for prefix in SMAC_PREFIXES:
         if text.startswith(prefix):
@@ -126,13 +175,17 @@ def parse_smac_line(line: str, quality_name: str) -> MetricLine | None:
 class MetricParser:
     """Reads a trial's output line by line and accumulates the metrics it reports.
 
-    ``quality_name`` is the metric that a SMAC result line's quality field is stored as.
+    Args:
+        quality_name: the objective metric: a SMAC result line's quality is stored under it,
+            and its pattern matches after a step match are intermediate values.
+        patterns: regular expressions with one group, by metric name (``objective.patterns``).
+        step_pattern: a regular expression whose one group is the current step (an integer).
     """
 
     def __init__(self, quality_name: str, patterns: Mapping[str, str] | None = None,
                  step_pattern: str | None = None) -> None:
         self._quality_name = quality_name
-        self._patterns = {name: re.compile(p) for name, p in (patterns or {}).items()}
+        self._patterns = {name: re.compile(pattern) for name, pattern in (patterns or {}).items()}
         self._step_pattern = re.compile(step_pattern) if step_pattern else None
         self._step: int | None = None
         self._final: dict[str, float] = {}
@@ -142,54 +195,61 @@ class MetricParser:
         self._smac_extra = ""
 
     def feed(self, line: str) -> MetricLine | None:
-        """Parse one line; return what it reported, or None for an ordinary log line."""
+        """Parse one line; return what it reported, or None for an ordinary log line.
+
+        The returned line has a ``step`` when it is an intermediate report: a line with a
+        ``step`` key (intermediate only), or an objective pattern match after a step
+        pattern match (intermediate at that step, and the final value so far).
+        """
         text = line.strip()
         if not text:
             return None
-        matched = self._match_patterns(text)
-        if matched is not None:
-            return matched
+        self._match_step(text)
         smac = parse_smac_line(text, self._quality_name)
         if smac is not None:
             self._smac_status = smac.smac_status
-            self._final.update(smac.values)
+            self._record_final(dict(smac.values), {})
             fields = text.split(",", 5)
             self._smac_extra = fields[5].strip() if len(fields) > 5 else ""
             return smac
-        parsed = _parse_json(text) if text.startswith("{") else _parse_pairs(text)
-        if parsed is None:
-            return None
-        values, invalid = parsed
+        values, invalid = _parse_formats(text) or ({}, {})
+        matched, unmatched = self._match_patterns(text)
+        values.update(matched)
+        invalid.update(unmatched)
         if not values and not invalid:
             return None
-        step_value = values.pop(STEP_KEY, None)
-        if step_value is not None:
-            step = int(step_value)
+        reported_step = values.pop(STEP_KEY, math.nan)
+        if math.isfinite(reported_step):
+            step = int(reported_step)
             self._intermediate.append((step, dict(values)))
             return MetricLine(values=values, step=step)
+        self._record_final(values, invalid)
+        if self._step is not None and self._quality_name in matched:
+            self._intermediate.append((self._step, dict(values)))
+            return MetricLine(values=values, step=self._step)
+        return MetricLine(values=values)
+
+    def _match_step(self, text: str) -> None:
+        match = self._step_pattern.search(text) if self._step_pattern else None
+        step = _number(match.group(1)) if match else None
+        if step is not None and step.is_integer():
+            self._step = int(step)
+
+    def _match_patterns(self, text: str) -> _Parsed:
+        found = []
+        for name, pattern in self._patterns.items():
+            match = pattern.search(text)
+            if match and match.group(1) is not None:
+                found.append((name, match.group(1)))
+        return _split(found)
+
+    def _record_final(self, values: dict[str, float], invalid: dict[str, str]) -> None:
         self._final.update(values)
         for key in values:
             self._invalid.pop(key, None)
         for key in invalid:
             self._final.pop(key, None)
         self._invalid.update(invalid)
-        return MetricLine(values=values)
-
-    def _match_patterns(self, text: str) -> MetricLine | None:
-        if self._step_pattern is not None and (step := self._step_pattern.search(text)):
-            self._step = int(float(step.group(1)))
-        values = {}
-        for name, pattern in self._patterns.items():
-            match = pattern.search(text)
-            if match and (number := _number(match.group(1))) is not None:
-                values[name] = number
-        if not values:
-            return None
-        self._final.update(values)
-        if self._step is not None and self._quality_name in values:
-            self._intermediate.append((self._step, dict(values)))
-            return MetricLine(values=values, step=self._step)
-        return MetricLine(values=values)
 
     def metrics(self) -> Metrics:
         """A snapshot of everything reported so far."""
@@ -202,28 +262,186 @@ class MetricParser:
         )
 
 
-def parse_text(text: str, quality_name: str) -> Metrics:
-    """Parse a whole output at once (a finished trial's log, say)."""
-    parser = MetricParser(quality_name)
+def parse_text(text: str, quality_name: str, patterns: Mapping[str, str] | None = None,
+               step_pattern: str | None = None) -> Metrics:
+    """Parse a whole output at once: a finished trial's log or a post-processing command's output.
+
+    Args:
+        text: the output.
+        quality_name, patterns, step_pattern: as for :class:`MetricParser`.
+    """
+    parser = MetricParser(quality_name, patterns, step_pattern)
     for line in text.splitlines():
         parser.feed(line)
     return parser.metrics()
 
 
-_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
-_ERROR = re.compile(r"^(\w[\w.]*(Error|Exception|Interrupt)\b.*|.*: error: .*|terminate called.*|Killed)$")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")
+_FRAME = re.compile(r'^\s+File "[^"]*", line \d+')
+_TRACEBACK = "Traceback (most recent call last):"
+_LAUNCHER_NOISE = re.compile(r"torch[/.]distributed[/.]elastic")
+_SUMMARY_BORDER = re.compile(r"^(?:={20,}|-{20,})$")
+_OOM = re.compile(r"CUDA out of memory|CUDA error: out of memory|HIP out of memory|OutOfMemoryError|"
+                  r"CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|Cuda failure 'out of memory'")
+_ERROR_LINE = re.compile(
+    r"^[\w.\-/]+: error: "  # argparse: "main.py: error: unrecognized arguments: ..."
+    r"|^terminate called "  # a C++ exception that nothing caught
+    r"|^(?:[\w.]+\.)?(?:[A-Z]\w*)?(?:Error|Exception|Interrupt)(?::|$)"  # an exception line without its traceback
+    r"|can't open file|No such file or directory|command not found|: not found$")
+_SIGNAL_LINE = re.compile(  # what a shell prints for a process that a signal ended
+    r"^(?:.*:\s+)?(?:\d+\s+)?"
+    r"(?:Killed|Segmentation fault|Bus error|Aborted|Floating point exception|Illegal instruction)\b")
+_LOG_ERROR = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|^\W*(?:[Ee]rror|[Ff]atal)\b")
+_ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*: ?(.*)$")
 
 
-def out_of_gpu_memory(lines: Sequence[str]) -> str | None:
-    """The line of CUDA's out-of-memory error in a trial's output, or None."""
-    found = [line.strip() for line in lines if _OOM.search(line)]
-    return found[-1][:200] if found else None
+@dataclass(frozen=True)
+class _ErrorLine:
+    """A line that says why a trial failed: its text, the rank that printed it, how telling it is.
+
+    Tier 1: an exception, a usage error, a C++ abort's message; 2: a shell's report of a
+    signal (``Killed``); 3: a logged ``ERROR``.
+    """
+
+    text: str
+    rank: int | None
+    tier: int
+
+
+@dataclass(frozen=True)
+class _RootCause:
+    """torchrun's "Root Cause (first observed failure)": the rank, its exit code and its error if shown."""
+
+    rank: int | None
+    exitcode: str
+    error: str
+
+
+def _clean(line: str) -> tuple[int | None, str]:
+    text = _ANSI.sub("", line.rstrip("\r\n"))
+    prefix = _RANK_PREFIX.match(text)
+    return (int(prefix.group(1)), text[prefix.end():]) if prefix else (None, text)
+
+
+def _is_summary_start(lines: Sequence[tuple[int | None, str]], index: int) -> bool:
+    """Whether torchrun's failure summary begins at ``index`` (a tail may begin inside it)."""
+    text = lines[index][1]
+    if "ChildFailedError" in text or text.startswith(("Failures:", "Root Cause (first observed failure)")):
+        return True
+    following = lines[index + 1][1] if index + 1 < len(lines) else ""
+    return bool(_SUMMARY_BORDER.match(text)) and following.endswith(" FAILED")
+
+
+def _exception_lines(lines: Iterable[tuple[int | None, str]]) -> list[_ErrorLine]:
+    """Every error line of ``lines``: the exception line that ends each traceback, and lines that read as errors.
+
+    Tracebacks are followed per rank (a ``[rank1]:`` prefix), so interleaved ranks do not mix;
+    a tail that begins inside a traceback is read from its first ``File`` frame.
+    """
+    in_traceback: dict[int | None, bool] = {}
+    found: list[_ErrorLine] = []
+    for rank, text in lines:
+        if not text.strip() or _LAUNCHER_NOISE.search(text) or _SUMMARY_BORDER.match(text):
+            continue
+        if text.startswith(_TRACEBACK) or _FRAME.match(text):
+            in_traceback[rank] = True
+        elif in_traceback.get(rank):
+            if not text[0].isspace():
+                in_traceback[rank] = False
+                found.append(_ErrorLine(text.strip(), rank, 1))
+        elif text.lstrip().startswith("what():") and found and found[-1].text.startswith("terminate called"):
+            what = text.lstrip()[len("what():"):].strip()
+            found[-1] = _ErrorLine(f"{found[-1].text}: {what}", found[-1].rank, 1)
+        elif _ERROR_LINE.search(text) or _OOM.search(text):
+            found.append(_ErrorLine(text.strip(), rank, 1))
+        elif _SIGNAL_LINE.search(text):
+            found.append(_ErrorLine(text.strip(), rank, 2))
+        elif _LOG_ERROR.search(text):
+            found.append(_ErrorLine(text.strip(), rank, 3))
+    return found
+
+
+def _root_cause(summary: Sequence[tuple[int | None, str]]) -> _RootCause | None:
+    """Read torchrun's failure summary (the lines from its ``ChildFailedError`` on), or None."""
+    texts = [text for _, text in summary]
+    starts = [i for i, text in enumerate(texts) if text.startswith("Root Cause")]
+    if not starts:
+        return None
+    fields: dict[str, str] = {}
+    trace: list[str] = []
+    for text in texts[starts[-1] + 1:]:
+        if _SUMMARY_BORDER.match(text):
+            break
+        field_match = _ROOT_FIELD.match(text) if "traceback" not in fields else None
+        if field_match:
+            fields[field_match.group(1)] = field_match.group(2).strip()
+        elif "traceback" in fields:
+            trace.append(text.removeprefix("  "))
+    rank_text = fields.get("rank", "").split(" ")[0]
+    message = fields.get("traceback", "")
+    if message.startswith(_TRACEBACK):
+        raised = _exception_lines((None, text) for text in [message, *trace])
+        message = raised[-1].text if raised else ""
+    elif message.startswith("To enable traceback"):
+        message = ""
+    return _RootCause(int(rank_text) if rank_text.isdigit() else None,
+                      fields.get("exitcode", "?").split(" ")[0], message)
+
+
+def _read_tail(lines: Sequence[str]) -> tuple[list[_ErrorLine], _RootCause | None]:
+    cleaned = [_clean(line) for line in lines]
+    split = next((i for i in range(len(cleaned)) if _is_summary_start(cleaned, i)), len(cleaned))
+    return _exception_lines(cleaned[:split]), _root_cause(cleaned[split:])
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_LINE_CHARS else text[:ERROR_LINE_CHARS - 1] + "…"
 
 
 def last_error_line(lines: Sequence[str]) -> str:
-    """The last line of a trial's output that reads like an error ('' if none)."""
-    for line in reversed(lines):
-        text = line.strip()
-        if _ERROR.match(text):
-            return text[:200]
-    return ""
+    """The line of a trial's output that best says why it failed, cut to ~200 characters; '' if none.
+
+    That is the exception line that ends a Python traceback (frames skipped), argparse's
+    ``prog: error: ...`` or ``terminate called ...`` with its ``what()``; failing those, a
+    shell's report of a signal (``Killed``); failing those, a logged ``ERROR``. Under torchrun
+    it is the error of the rank that torchrun names as the root cause (the others' errors are
+    usually consequences), else the root cause in torchrun's summary; torchrun's own
+    traceback and log lines are skipped. The last such line wins.
+
+    Args:
+        lines: the last lines of the output (any tail; a traceback cut at its top still reads).
+    """
+    found, root = _read_tail(lines)
+    tiers = [[line.text for line in found if line.tier == tier] for tier in (2, 3)]
+    if root is None:
+        groups = [[line.text for line in found if line.tier == 1], *tiers]
+    else:
+        groups = [[line.text for line in found if line.tier == 1 and line.rank == root.rank],
+                  [root.error] if root.error else [],
+                  [line.text for line in found if line.tier == 1 and line.rank is None], *tiers,
+                  [f"rank {root.rank} exited with code {root.exitcode}"]]
+    chosen = next((group[-1] for group in groups if group), "")
+    return _short(chosen)
+
+
+def out_of_gpu_memory(lines: Sequence[str]) -> str | None:
+    """The line of CUDA's out-of-memory error in a trial's output (cut to ~200 characters), or None.
+
+    Recognises ``torch.OutOfMemoryError: CUDA out of memory``, ``RuntimeError: CUDA out of
+    memory``, ``CUDA error: out of memory``, ``CUBLAS_STATUS_ALLOC_FAILED`` (and cuDNN's, ROCm's
+    and NCCL's), wherever they stand but in a traceback's source lines. Under torchrun the
+    root-cause rank's line is preferred.
+
+    Args:
+        lines: the last lines of the output.
+    """
+    found, root = _read_tail(lines)
+    errors = [line for line in found if _OOM.search(line.text)]
+    own = [line.text for line in errors if root is not None and line.rank == root.rank]
+    if own:
+        return _short(own[-1])
+    if root is not None and _OOM.search(root.error):
+        return _short(root.error)
+    return _short(errors[-1].text) if errors else None

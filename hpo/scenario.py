@@ -7,6 +7,7 @@ one line naming the field path and what is wrong. Unknown keys are errors.
 from __future__ import annotations
 
 import difflib
+import re
 import shlex
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpo.errors import InputError
+from hpo.results import RESERVED_ATTRS, STEP_KEY
 
 DESIGN_METHODS = ("monte_carlo", "csv", "grid", "sobol", "lhs")
 MODEL_METHODS = ("tpe", "gp", "smac")
@@ -143,7 +145,14 @@ class Search(_Frozen):
 
 
 class Objective(_Frozen):
-    """The metric the optimizer sees, its direction, and the held-out metrics it never sees."""
+    """The metric the optimizer sees, its direction, the held-out metrics it never sees, and how to read them.
+
+    ``patterns`` read metrics from a script's own output: a regular expression with one group
+    per metric (the objective or a held-out one), the last match wins. After a match of
+    ``step_pattern`` (one group: the step), each match of the objective's pattern is also an
+    intermediate value at that step. ``post_process`` is a command run in the trial folder
+    after the script; its output is parsed too (see :mod:`hpo.results`).
+    """
 
     metric: str = "val_error"
     direction: Literal["minimize", "maximize"] = "minimize"
@@ -152,11 +161,90 @@ class Objective(_Frozen):
     step_pattern: str | None = None
     post_process: tuple[str, ...] | None = None
 
+    @field_validator("metric")
+    @classmethod
+    def _metric_named(cls, metric: str) -> str:
+        if not metric.strip():
+            raise ValueError("the objective needs the name of a metric, not an empty one")
+        _not_reserved(metric)
+        return metric
+
+    @field_validator("held_out")
+    @classmethod
+    def _held_out_named(cls, held_out: tuple[str, ...]) -> tuple[str, ...]:
+        for name in held_out:
+            if not name.strip():
+                raise ValueError("a held-out metric needs a name, not an empty one")
+            _not_reserved(name)
+        repeated = sorted({name for name in held_out if held_out.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{repeated[0]} is listed twice")
+        return held_out
+
+    @field_validator("patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: dict[str, str]) -> dict[str, str]:
+        for name, pattern in patterns.items():
+            problem = _one_group_problem(pattern)
+            if problem:
+                raise ValueError(f"{name}: {problem}")
+        return patterns
+
+    @field_validator("step_pattern")
+    @classmethod
+    def _step_pattern_compiles(cls, pattern: str | None) -> str | None:
+        problem = _one_group_problem(pattern) if pattern is not None else None
+        if problem:
+            raise ValueError(problem)
+        return pattern
+
+    @field_validator("post_process", mode="before")
+    @classmethod
+    def _split_post_process(cls, value: Any) -> Any:
+        return _shell_split(value)
+
     @model_validator(mode="after")
-    def _check(self) -> "Objective":
+    def _check(self) -> Objective:
         if self.metric in self.held_out:
             raise ValueError(f"held_out: {self.metric} is the objective metric; it cannot be held out")
+        known = (self.metric, *self.held_out)
+        for name in self.patterns:
+            if name not in known:
+                raise ValueError(f"patterns: {name!r} is neither the objective metric ({self.metric}) nor a held-out "
+                                 f"metric ({', '.join(self.held_out) or 'none'})")
         return self
+
+
+def _not_reserved(name: str) -> None:
+    if name == STEP_KEY:
+        raise ValueError(f"{STEP_KEY} marks a metric line as an intermediate report; give the metric another name")
+    if name in RESERVED_ATTRS:
+        raise ValueError(f"{name} is a name hpo records on every trial ({', '.join(sorted(RESERVED_ATTRS))}); "
+                         f"give the metric another name")
+
+
+def _one_group_problem(pattern: str) -> str | None:
+    """What is wrong with a metric pattern (not a regular expression, not exactly one group), or None."""
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as exc:
+        return f"not a regular expression ({exc})"
+    if groups != 1:
+        return (f"needs exactly one group, the (...) around the number, found {groups}; "
+                f"write other parentheses as (?:...)")
+    return None
+
+
+def _shell_split(value: Any) -> Any:
+    """Split a command string like a shell would; refuse an empty command."""
+    if isinstance(value, str):
+        try:
+            value = shlex.split(value)
+        except ValueError as exc:
+            raise ValueError(f"cannot split the command: {exc}") from None
+    if isinstance(value, (list, tuple)) and not value:
+        raise ValueError("the command is empty")
+    return value
 
 
 GpuCount = Union[int, float, Literal["auto"]]
@@ -266,14 +354,7 @@ class Scenario(_Frozen):
     @field_validator("command", mode="before")
     @classmethod
     def _split_command(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                value = shlex.split(value)
-            except ValueError as exc:
-                raise ValueError(f"cannot split the command: {exc}") from None
-        if isinstance(value, (list, tuple)) and not value:
-            raise ValueError("the command is empty")
-        return value
+        return _shell_split(value)
 
     @model_validator(mode="after")
     def _check(self) -> "Scenario":

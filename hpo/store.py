@@ -35,6 +35,7 @@ from hpo import rowcache, space
 from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
+from hpo.results import RESERVED_ATTRS
 from hpo.scenario import Scenario
 from hpo.storage import Retrying, ask_lock, local_path, open_storage
 
@@ -157,10 +158,6 @@ def _attr(trial: FrozenTrial, name: str) -> Any:
     value = trial.user_attrs.get(name)
     return value if value is not None else trial.system_attrs.get(_LEGACY_SYS.get(name, ""))
 
-
-RESERVED_ATTRS = frozenset({ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER, ATTR_REQUEUE_OF,
-                            ATTR_RETRY_OF, ATTR_RERUN_OF, ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX,
-                            "worker", "slot", "gpus"})
 
 
 def repeat_of(row: TrialRow) -> int | None:

@@ -35,6 +35,8 @@ OBJECTIVE = Objective(metric="val_error", held_out=("test_error",))
                      id="oom"),
         pytest.param("exitcode  : -9 (pid: 123)", 1, None, "FAIL", None, {}, "killed by SIGKILL (out of host memory?)",
                      id="torchrun-rank-sigkill"),
+        pytest.param("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\nretrying with batch 32\n"
+                     "val_error=0.1", 0, None, "COMPLETE", 0.1, {}, "", id="oom-caught-and-recovered"),
         pytest.param("hello world\nloss 3", 0, None, "FAIL", None, {}, "val_error was never reported", id="missing"),
         pytest.param("test_error=0.3", 0, None, "FAIL", None, {"test_error": 0.3}, "val_error was never reported",
                      id="missing-held-out-kept"),

@@ -1,14 +1,29 @@
-"""Metric lines: every format the parser reads, the writer round trip, and trial verdicts."""
+"""Metric lines (every format, patterns, the writer round trip), error lines of failed trials, objective checks."""
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hpo.results import MetricParser, Metrics, parse_smac_line, parse_text, report
+from hpo.errors import InputError
+from hpo.results import (
+    ERROR_LINE_CHARS,
+    RESERVED_ATTRS,
+    MetricParser,
+    Metrics,
+    last_error_line,
+    out_of_gpu_memory,
+    parse_smac_line,
+    parse_text,
+    report,
+)
+from hpo.scenario import load_scenario
 
+WriteScenario = Callable[..., Path]
 NAN = float("nan")
 INF = float("inf")
 
@@ -27,6 +42,10 @@ FORMAT_CASES = [
     pytest.param("val_error=0.12, test_error=0.13; top5.acc=0.9", {"val_error": 0.12, "test_error": 0.13,
                                                                   "top5.acc": 0.9}, None, None, id="pairs-separated"),
     pytest.param("step=2 val_error=0.4", {"val_error": 0.4}, 2, None, id="pairs-step"),
+    pytest.param("val_error\t0.12", {"val_error": 0.12}, None, None, id="tab"),
+    pytest.param("val_error=0.12\ttest_error=0.13", {"val_error": 0.12, "test_error": 0.13}, None, None,
+                 id="pairs-tab-separated"),
+    pytest.param("Lift coefficient \t 1.25e-1", {"Lift coefficient": 0.125}, None, None, id="tab-spaced-name"),
     pytest.param("Result of this algorithm run: SAT, 1.3, 0, 0.12, 1", {"runtime": 1.3, "val_error": 0.12},
                  None, "SAT", id="smac-sat"),
     pytest.param("Result of this algorithm run: sat, 2, 0, 0.5, 1, extra info", {"runtime": 2.0, "val_error": 0.5},
@@ -57,6 +76,10 @@ ORDINARY_LINES = [
     "Result of this algorithm run: MAYBE, 1, 0, 0.1, 1",
     "warning: x=1 looks odd",
     "=3",
+    "Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305532",
+    "1\t0.5",
+    "epoch\tloss\tacc",
+    "\t0.5",
 ]
 
 
@@ -98,16 +121,16 @@ def test_smac_extra_is_kept() -> None:
 
 
 def test_steps_are_intermediate_and_the_last_final_value_wins() -> None:
-    text = "\n".join([
-        "starting",
-        '{"step": 0, "val_error": 0.9}',
-        "Epoch 1 lr=0.1 loss 3",
-        "step=1 val_error=0.5 train_loss=0.4",
-        "val_error=0.7",
-        '{"val_error": 0.3, "test_error": 0.35}',
-        "test_error=0.33",
-        "done",
-    ])
+    text = """\
+starting
+{"step": 0, "val_error": 0.9}
+Epoch 1 lr=0.1 loss 3
+step=1 val_error=0.5 train_loss=0.4
+val_error=0.7
+{"val_error": 0.3, "test_error": 0.35}
+test_error=0.33
+done
+"""
     metrics = parse_text(text, "val_error")
     assert metrics.intermediate == ((0, {"val_error": 0.9}), (1, {"val_error": 0.5, "train_loss": 0.4}))
     assert metrics.final == {"val_error": 0.3, "test_error": 0.33}
@@ -188,11 +211,6 @@ def test_report_is_silent_off_rank_zero(rank: str, capsys: pytest.CaptureFixture
     assert capsys.readouterr().out == ""
 
 
-def _metrics(text: str) -> Metrics:
-    """Parse ``text`` with ``val_error`` as the SMAC quality name."""
-    return parse_text(text, "val_error")
-
-
 def test_parser_snapshot_is_independent() -> None:
     parser = MetricParser("val_error")
     parser.feed("val_error=1")
@@ -200,3 +218,547 @@ def test_parser_snapshot_is_independent() -> None:
     parser.feed("val_error=2")
     assert snapshot.final == {"val_error": 1.0}
     assert parser.metrics().final == {"val_error": 2.0}
+
+
+MNIST_OUTPUT = """\
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305532
+Train Epoch: 1 [640/60000 (1%)]\tLoss: 1.359438
+Train Epoch: 1 [59520/60000 (99%)]\tLoss: 0.032419
+
+Test set: Average loss: 0.0487, Accuracy: 9838/10000 (98%)
+
+Train Epoch: 2 [0/60000 (0%)]\tLoss: 0.084102
+Train Epoch: 2 [59520/60000 (99%)]\tLoss: 0.021907
+
+Test set: Average loss: 0.0341, Accuracy: 9886/10000 (99%)
+
+"""
+MNIST_PATTERNS = {"test_loss": r"Average loss: ([0-9.]+)", "correct": r"Accuracy: ([0-9]+)/"}
+MNIST_STEP = r"Train Epoch: (\d+)"
+
+
+def test_patterns_read_pytorch_examples_mnist_with_a_step_per_epoch() -> None:
+    parser = MetricParser("test_loss", MNIST_PATTERNS, MNIST_STEP)
+    reported = [parser.feed(line) for line in MNIST_OUTPUT.splitlines()]
+    steps = [(line.step, dict(line.values)) for line in reported if line is not None]
+    assert steps == [(1, {"test_loss": 0.0487, "correct": 9838.0}), (2, {"test_loss": 0.0341, "correct": 9886.0})]
+    metrics = parser.metrics()
+    assert metrics.intermediate == ((1, {"test_loss": 0.0487, "correct": 9838.0}),
+                                    (2, {"test_loss": 0.0341, "correct": 9886.0}))
+    assert metrics.final == {"test_loss": 0.0341, "correct": 9886.0}
+    assert metrics.invalid == {}
+
+
+def test_without_a_step_pattern_matches_are_final_values_only() -> None:
+    metrics = parse_text(MNIST_OUTPUT, "test_loss", MNIST_PATTERNS)
+    assert metrics.intermediate == ()
+    assert metrics.final == {"test_loss": 0.0341, "correct": 9886.0}
+
+
+@pytest.mark.parametrize(
+    ("text", "intermediate", "final"),
+    [
+        pytest.param("loss 0.9\nEpoch 1\nloss 0.5", ((1, {"loss": 0.5}),), {"loss": 0.5}, id="match-before-any-step"),
+        pytest.param("Epoch 1: loss 0.5\nEpoch 2: loss 0.4", ((1, {"loss": 0.5}), (2, {"loss": 0.4})), {"loss": 0.4},
+                     id="step-and-value-on-one-line"),
+        pytest.param("Epoch 1\nEpoch 2\nloss 0.5", ((2, {"loss": 0.5}),), {"loss": 0.5}, id="last-step-counts"),
+        pytest.param("Epoch 1\nEpoch 1.5\nloss 0.5", ((1, {"loss": 0.5}),), {"loss": 0.5}, id="non-integer-step"),
+        pytest.param("Epoch x\nloss 0.5", (), {"loss": 0.5}, id="non-number-step"),
+        pytest.param("Epoch 3\nacc 0.9", (), {"acc": 0.9}, id="held-out-match-is-not-a-step"),
+    ],
+)
+def test_objective_matches_after_a_step_match_are_intermediate(text: str, intermediate: tuple[Any, ...],
+                                                                final: dict[str, float]) -> None:
+    metrics = parse_text(text, "loss", {"loss": r"loss ([-+.\w]+)", "acc": r"acc (\S+)"}, r"Epoch ([^\s:]+)")
+    assert metrics.intermediate == intermediate
+    assert metrics.final == final
+
+
+@pytest.mark.parametrize(
+    ("lines", "final", "invalid"),
+    [
+        (["loss: n/a"], {}, {"loss": "n/a"}),
+        (["loss: n/a", "loss: 0.5"], {"loss": 0.5}, {}),
+        (["loss: 0.5", "loss: n/a"], {}, {"loss": "n/a"}),
+        (["loss: nan"], {"loss": NAN}, {}),
+    ],
+)
+def test_a_pattern_match_that_is_not_a_number_is_invalid(lines: list[str], final: dict[str, float],
+                                                        invalid: dict[str, str]) -> None:
+    metrics = parse_text("\n".join(lines), "loss", {"loss": r"loss: (\S+)"})
+    assert metrics.final.keys() == final.keys()
+    assert all(math.isnan(v) if math.isnan(final[k]) else v == final[k] for k, v in metrics.final.items())
+    assert metrics.invalid == invalid
+
+
+def test_odd_steps_and_optional_groups_do_not_break_the_parser() -> None:
+    metrics = parse_text('{"step": NaN, "val_error": 0.4}\nloss: \nloss: 0.2', "loss", {"loss": r"loss: ([0-9.]+)?"})
+    assert metrics.intermediate == ()
+    assert metrics.final == {"val_error": 0.4, "loss": 0.2}
+
+
+def test_patterns_add_to_the_built_in_formats() -> None:
+    text = '{"step": 1, "val_error": 0.4}\nval_error=0.3 train_loss=0.2\nTop-1 acc 91.5%\n'
+    metrics = parse_text(text, "val_error", {"top1": r"Top-1 acc ([0-9.]+)%"})
+    assert metrics.intermediate == ((1, {"val_error": 0.4}),)
+    assert metrics.final == {"val_error": 0.3, "train_loss": 0.2, "top1": 91.5}
+
+
+def test_a_post_processing_output_in_rescales_tab_format() -> None:
+    text = "test_loss\t0.0341\ncorrect\t9886\nstatus\tconverged\nparsed 2 values from trial.log\n"
+    metrics = parse_text(text, "test_loss")
+    assert metrics.final == {"test_loss": 0.0341, "correct": 9886.0}
+    assert metrics.invalid == {"status": "converged"}
+
+
+# Real output of torchrun (torch 2.13, 2 processes, gloo) running an argparse script in which rank 1 fails:
+# an exception (without and with torch's @record), a SIGKILL, an unknown flag. Paths shortened.
+TORCHRUN_AGENT = """\
+Traceback (most recent call last):
+  File "/opt/venv/bin/torchrun", line 6, in <module>
+    sys.exit(main())
+             ^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
+    run(args)
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
+    elastic_launch(
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
+    return launch_agent(
+           ^^^^^^^^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+
+TORCHRUN_TRACEBACK = """\
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 28, in <module>
+[rank1]:     main()
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 23, in main
+[rank1]:     step(torch.ones(2), a.lr)
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 8, in step
+[rank1]:     raise ValueError(f"lr {lr} is too high: the loss diverged to nan")
+[rank1]: ValueError: lr 3.0 is too high: the loss diverged to nan
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 28, in <module>
+[rank0]:     main()
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 24, in main
+[rank0]:     dist.barrier()
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+[rank0]:     return func(*args, **kwargs)
+[rank0]:            ^^^^^^^^^^^^^^^^^^^^^
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, in barrier
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35728. This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️
+W1122 17:29:11.041000 22400 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22410 closing signal SIGTERM
+E1122 17:29:11.106000 22400 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 22411) of binary: /opt/venv/bin/python
+""" + TORCHRUN_AGENT + """\
+============================================================
+main.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_17:29:11
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 22410)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 22410
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_17:29:11
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 22411)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+TORCHRUN_RECORD = """\
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 28, in <module>
+[rank1]:     main()
+[rank1]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+[rank1]:     return f(*args, **kwargs)
+[rank1]:            ^^^^^^^^^^^^^^^^^^
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 23, in main
+[rank1]:     step(torch.ones(2), a.lr)
+[rank1]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 8, in step
+[rank1]:     raise ValueError(f"lr {lr} is too high: the loss diverged to nan")
+[rank1]: ValueError: lr 3.0 is too high: the loss diverged to nan
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 28, in <module>
+[rank0]:     main()
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+[rank0]:     return f(*args, **kwargs)
+[rank0]:            ^^^^^^^^^^^^^^^^^^
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 24, in main
+[rank0]:     dist.barrier()
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+[rank0]:     return func(*args, **kwargs)
+[rank0]:            ^^^^^^^^^^^^^^^^^^^^^
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, in barrier
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1688. This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️
+W1122 17:29:05.345000 22380 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22386 closing signal SIGTERM
+E1122 17:29:05.409000 22380 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 22387) of binary: /opt/venv/bin/python
+E1122 17:29:05.413000 22380 torch/distributed/elastic/multiprocessing/errors/error_handler.py:145] no error file defined for parent, to copy child error file (/tmp/torchelastic_7nowmsmx/1bc94c39-7580-44f5-8c5e-519ae0dbb898_wcktcnhw/attempt_0/1/error.json)
+""" + TORCHRUN_AGENT + """\
+============================================================
+main.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_17:29:04
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 22386)  (SIGTERM)
+  error_file: /tmp/torchelastic_7nowmsmx/1bc94c39-7580-44f5-8c5e-519ae0dbb898_wcktcnhw/attempt_0/0/error.json
+  traceback : Traceback (most recent call last):
+    File "/opt/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+      return f(*args, **kwargs)
+             ^^^^^^^^^^^^^^^^^^
+    File "/home/ada/runs/mnist/trial_0003/main.py", line 24, in main
+      dist.barrier()
+    File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+      return func(*args, **kwargs)
+             ^^^^^^^^^^^^^^^^^^^^^
+    File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, in barrier
+      work.wait()
+  RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1688. This is typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️
+
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_17:29:04
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 22387)
+  error_file: /tmp/torchelastic_7nowmsmx/1bc94c39-7580-44f5-8c5e-519ae0dbb898_wcktcnhw/attempt_0/1/error.json
+  traceback : Traceback (most recent call last):
+    File "/opt/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+      return f(*args, **kwargs)
+             ^^^^^^^^^^^^^^^^^^
+    File "/home/ada/runs/mnist/trial_0003/main.py", line 23, in main
+      step(torch.ones(2), a.lr)
+    File "/home/ada/runs/mnist/trial_0003/main.py", line 8, in step
+      raise ValueError(f"lr {lr} is too high: the loss diverged to nan")
+  ValueError: lr 3.0 is too high: the loss diverged to nan
+
+============================================================
+"""
+
+TORCHRUN_SIGKILL = """\
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+Train Epoch: 1 [0/60000 (0%)]\tLoss: 2.305
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 28, in <module>
+[rank0]:     main()
+[rank0]:   File "/home/ada/runs/mnist/trial_0003/main.py", line 24, in main
+[rank0]:     dist.barrier()
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
+[rank0]:     return func(*args, **kwargs)
+[rank0]:            ^^^^^^^^^^^^^^^^^^^^^
+[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, in barrier
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:54934: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. Check the logs of the remote worker before reporting an error. GLHF! 🏖️
+W1122 17:29:15.989000 22419 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22423 closing signal SIGTERM
+E1122 17:29:16.027000 22419 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 22424) of binary: /opt/venv/bin/python
+""" + TORCHRUN_AGENT + """\
+=======================================================
+main.py FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_17:29:16
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 22423)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 22423
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_17:29:15
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 22424)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 22424
+=======================================================
+"""
+
+TORCHRUN_ARGPARSE = """\
+usage: main.py [-h] [--lr LR] [--kill]
+main.py: error: unrecognized arguments: --batch_size 64
+usage: main.py [-h] [--lr LR] [--kill]
+main.py: error: unrecognized arguments: --batch_size 64
+W1122 17:29:22.705000 22440 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22444 closing signal SIGTERM
+E1122 17:29:22.737000 22440 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 1 (pid: 22445) of binary: /opt/venv/bin/python
+""" + TORCHRUN_AGENT + """\
+============================================================
+main.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_17:29:22
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 22444)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 22444
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_17:29:22
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 2 (pid: 22445)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+TRACEBACK_OOM = """\
+Train Epoch: 3 [12800/50000 (26%)]\tLoss: 1.021877
+Traceback (most recent call last):
+  File "/home/ada/runs/cifar/trial_0007/train.py", line 112, in <module>
+    main()
+  File "/home/ada/runs/cifar/trial_0007/train.py", line 97, in main
+    loss = criterion(model(images), labels)
+                     ^^^^^^^^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1751, in _wrapped_call_impl
+    return self._call_impl(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/nn/modules/conv.py", line 554, in _conv_forward
+    return F.conv2d(
+           ^^^^^^^^^
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.52 GiB. GPU 0 has a total capacity of 79.19 GiB \
+of which 1.21 GiB is free. Including non-PyTorch memory, this process has 77.96 GiB memory in use. Of the allocated \
+memory 74.01 GiB is allocated by PyTorch, and 2.47 GiB is reserved by PyTorch but unallocated. If reserved but \
+unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  \
+See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)
+"""
+OLD_OOM = """\
+Traceback (most recent call last):
+  File "train.py", line 64, in <module>
+    output = model(data)
+RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.56 GiB already \
+allocated; 3.75 MiB free; 14.80 GiB reserved in total by PyTorch) If reserved memory is >> allocated memory try \
+setting max_split_size_mb to avoid fragmentation.  See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF
+"""
+CUDA_ERROR_OOM = """\
+Traceback (most recent call last):
+  File "/home/ada/runs/digits/trial_0002/train.py", line 40, in <module>
+    model = Net().to(device)
+            ^^^^^^^^^^^^^^^^
+RuntimeError: CUDA error: out of memory
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1
+Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.
+
+"""
+CUBLAS_OOM = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/home/ada/runs/cifar/trial_0011/train.py", line 88, in <module>
+[rank0]:     logits = head(features)
+[rank0]: RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`
+"""
+CPP_ABORT_OOM = """\
+terminate called after throwing an instance of 'c10::OutOfMemoryError'
+  what():  CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 23.64 GiB of which 301.06 MiB \
+is free.
+Exception raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1131 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x57 (0x7f3b0c35b617 in libc10.so)
+Aborted (core dumped)
+"""
+CHAINED = """\
+Traceback (most recent call last):
+  File "train.py", line 12, in load
+    return np.load(path)
+FileNotFoundError: [Errno 2] No such file or directory: '/data/digits.npz'
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "train.py", line 30, in <module>
+    data = load(args.data)
+RuntimeError: no data set at /data/digits.npz: run prepare.py first
+"""
+SYNTAX_ERROR = """\
+  File "/home/ada/runs/digits/trial_0000/train.py", line 14
+    lr = 0.01 *
+               ^
+SyntaxError: invalid syntax
+"""
+RETRIED_OOM_THEN_ERROR = """\
+Traceback (most recent call last):
+  File "train.py", line 71, in main
+    history = fit_halving_batch_on_OutOfMemoryError(model, data, batch_size=args.batch_size)
+  File "train.py", line 40, in fit_halving_batch_on_OutOfMemoryError
+    raise ValueError(f"batch size {size} is below the {MIN_BATCH} that BatchNorm needs")
+ValueError: batch size 3 is below the 8 that BatchNorm needs
+"""
+WARNINGS_ONLY = """\
+/opt/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py:617: UserWarning: This DataLoader will create 8 \
+worker processes in total. Our suggested max number of worker in current system is 2.
+  warnings.warn(
+val_error=0.31
+"""
+LOGGED_ERROR = """\
+2025-03-02 10:31:07,123 INFO train: epoch 1 done
+2025-03-02 10:31:09,456 ERROR train: the validation set is empty (0 of 1797 samples)
+"""
+MNIST_USAGE_ERROR = """\
+usage: main.py [-h] [--batch-size N] [--test-batch-size N] [--epochs N] [--lr LR] [--gamma M] [--no-accel]
+               [--dry-run] [--seed S] [--log-interval N] [--save-model]
+main.py: error: unrecognized arguments: --batch_size 64
+"""
+TORCH_OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.52 GiB. GPU 0 has a total capacity "
+                  "of 79.19 GiB of which 1.21 GiB is free. Including non-PyTorch memory, this process has 77.96 GiB mem…")
+OLD_OOM_LINE = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; 14.56 "
+                "GiB already allocated; 3.75 MiB free; 14.80 GiB reserved in total by PyTorch) If reserved memory …")
+CPP_OOM_LINE = ("terminate called after throwing an instance of 'c10::OutOfMemoryError': CUDA out of memory. Tried to "
+                "allocate 512.00 MiB. GPU 0 has a total capacity of 23.64 GiB of which 301.06 MiB is free.")
+LR_ERROR = "ValueError: lr 3.0 is too high: the loss diverged to nan"
+
+# output -> (last_error_line, out_of_gpu_memory)
+ERROR_CASES = [
+    pytest.param(TORCHRUN_TRACEBACK, LR_ERROR, None, id="torchrun-root-cause-rank-not-the-last-traceback"),
+    pytest.param(TORCHRUN_RECORD, LR_ERROR, None, id="torchrun-record"),
+    pytest.param(TORCHRUN_SIGKILL, "Signal 9 (SIGKILL) received by PID 22424", None, id="torchrun-sigkill"),
+    pytest.param(TORCHRUN_ARGPARSE, "main.py: error: unrecognized arguments: --batch_size 64", None,
+                 id="torchrun-argparse"),
+    pytest.param(MNIST_USAGE_ERROR, "main.py: error: unrecognized arguments: --batch_size 64", None, id="argparse"),
+    pytest.param(TRACEBACK_OOM, TORCH_OOM_LINE, TORCH_OOM_LINE, id="torch-oom"),
+    pytest.param(OLD_OOM, OLD_OOM_LINE, OLD_OOM_LINE, id="runtime-error-oom"),
+    pytest.param(CUDA_ERROR_OOM, "RuntimeError: CUDA error: out of memory", "RuntimeError: CUDA error: out of memory",
+                 id="cuda-error-oom"),
+    pytest.param(CUBLAS_OOM, "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                 "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                 id="cublas-oom"),
+    pytest.param(CPP_ABORT_OOM, CPP_OOM_LINE, CPP_OOM_LINE, id="terminate-called-what"),
+    pytest.param(CHAINED, "RuntimeError: no data set at /data/digits.npz: run prepare.py first", None,
+                 id="chained-exceptions-the-last"),
+    pytest.param(SYNTAX_ERROR, "SyntaxError: invalid syntax", None, id="syntax-error-without-header"),
+    pytest.param(RETRIED_OOM_THEN_ERROR, "ValueError: batch size 3 is below the 8 that BatchNorm needs", None,
+                 id="oom-in-source-lines-is-not-oom"),
+    pytest.param(WARNINGS_ONLY, "", None, id="warnings-are-not-errors"),
+    pytest.param(LOGGED_ERROR, "2025-03-02 10:31:09,456 ERROR train: the validation set is empty (0 of 1797 samples)",
+                 None, id="logged-error"),
+    pytest.param(LOGGED_ERROR + CHAINED, "RuntimeError: no data set at /data/digits.npz: run prepare.py first", None,
+                 id="exception-beats-logged-error"),
+    pytest.param("epoch 1\nKilled\n", "Killed", None, id="shell-killed"),
+    pytest.param("bash: line 1:  4242 Segmentation fault      (core dumped) python train.py\n",
+                 "bash: line 1: 4242 Segmentation fault (core dumped) python train.py", None, id="shell-segfault"),
+    pytest.param("python: can't open file '/home/ada/runs/x/trial_0000/tran.py': [Errno 2] No such file or directory\n",
+                 "python: can't open file '/home/ada/runs/x/trial_0000/tran.py': [Errno 2] No such file or directory",
+                 None, id="cannot-open-script"),
+    pytest.param("loading data\nException: no file matches data/*.npz\n", "Exception: no file matches data/*.npz", None,
+                 id="exception-line-without-traceback"),
+    pytest.param("", "", None, id="empty"),
+    pytest.param(MNIST_OUTPUT, "", None, id="a-clean-run"),
+]
+
+
+@pytest.mark.parametrize(("output", "line", "oom"), ERROR_CASES)
+def test_the_error_line_of_real_outputs(output: str, line: str, oom: str | None) -> None:
+    lines = output.splitlines()
+    assert last_error_line(lines) == line
+    assert out_of_gpu_memory(lines) == oom
+    assert len(line) <= ERROR_LINE_CHARS
+
+
+@pytest.mark.parametrize(
+    ("output", "answers"),
+    [
+        pytest.param(TORCHRUN_TRACEBACK, {"", "rank 1 exited with code 1", LR_ERROR}, id="traceback"),
+        pytest.param(TORCHRUN_RECORD, {"", LR_ERROR}, id="record"),
+        pytest.param(TORCHRUN_ARGPARSE, {"", "rank 1 exited with code 2",
+                                         "main.py: error: unrecognized arguments: --batch_size 64"}, id="argparse"),
+        pytest.param(TRACEBACK_OOM, {TORCH_OOM_LINE}, id="oom"),
+    ],
+)
+def test_every_tail_of_an_output_gives_its_error_or_an_honest_less(output: str, answers: set[str]) -> None:
+    lines = output.splitlines()
+    found = {last_error_line(lines[-count:]) for count in range(1, len(lines) + 1)}
+    assert found == answers
+
+
+def test_a_long_log_keeps_its_error_in_the_last_lines() -> None:
+    training = [f"Train Epoch: {n // 100 + 1} [{n % 100 * 600}/60000]\tLoss: 0.{n:04d}" for n in range(5000)]
+    lines = training + CHAINED.splitlines() + ["val_error=0.3"] * 50
+    assert last_error_line(lines[-200:]) == "RuntimeError: no data set at /data/digits.npz: run prepare.py first"
+
+
+def test_colours_and_rank_prefixes_are_removed() -> None:
+    lines = ["[default1]:\x1b[31mTraceback (most recent call last):\x1b[0m", '[default1]:  File "t.py", line 3, in <module>',
+             "[default1]:    f()", "[default1]:\x1b[1mKeyError: 'lr'\x1b[0m"]
+    assert last_error_line(lines) == "KeyError: 'lr'"
+
+
+MNIST_OBJECTIVE = {"metric": "test_loss", "held_out": ["correct"], "patterns": MNIST_PATTERNS}
+
+
+def test_the_objective_reads_patterns_a_step_pattern_and_a_post_processing_command(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, objective={**MNIST_OBJECTIVE, "step_pattern": MNIST_STEP,
+                                               "post_process": "python parse.py --log 'trial log.txt'"})
+    objective = load_scenario(path).objective
+    assert objective.patterns == MNIST_PATTERNS
+    assert objective.step_pattern == MNIST_STEP
+    assert objective.post_process == ("python", "parse.py", "--log", "trial log.txt")
+    assert parse_text(MNIST_OUTPUT, objective.metric, objective.patterns, objective.step_pattern).final == {
+        "test_loss": 0.0341, "correct": 9886.0}
+
+
+@pytest.mark.parametrize(
+    ("objective", "expected"),
+    [
+        ({"metric": ""}, "objective.metric: the objective needs the name of a metric, not an empty one"),
+        ({"metric": "  "}, "objective.metric: the objective needs the name of a metric"),
+        ({"metric": "step"}, "objective.metric: step marks a metric line as an intermediate report"),
+        ({"metric": "reason"}, "objective.metric: reason is a name hpo records on every trial"),
+        ({"held_out": ["outcome"]}, "objective.held_out: outcome is a name hpo records on every trial"),
+        ({"held_out": ["duration_s"]}, "objective.held_out: duration_s is a name hpo records on every trial"),
+        ({"held_out": [""]}, "objective.held_out: a held-out metric needs a name, not an empty one"),
+        ({"held_out": ["acc", "acc"]}, "objective.held_out: acc is listed twice"),
+        ({**MNIST_OBJECTIVE, "patterns": {"test_loss": "Average loss: [0-9.]+"}},
+         "objective.patterns.test_loss: needs exactly one group, the (...) around the number, found 0"),
+        ({**MNIST_OBJECTIVE, "patterns": {"test_loss": r"(Average|Mean) loss: ([0-9.]+)"}},
+         ("objective.patterns.test_loss: needs exactly one group, the (...) around the number, found 2; "
+         "write other parentheses as (?:...)")),
+        ({**MNIST_OBJECTIVE, "patterns": {"correct": "Accuracy: ([0-9]+/"}},
+         "objective.patterns.correct: not a regular expression (missing ), unterminated subpattern at position 10)"),
+        ({**MNIST_OBJECTIVE, "patterns": {"test_loss": 5}}, "objective.patterns.test_loss: Input should be a valid"),
+        ({**MNIST_OBJECTIVE, "patterns": {"train_loss": "Loss: ([0-9.]+)"}},
+         ("objective.patterns: 'train_loss' is neither the objective metric (test_loss) nor a held-out metric "
+         "(correct)")),
+        ({"step_pattern": r"Train Epoch: \d+"}, "objective.step_pattern: needs exactly one group"),
+        ({"step_pattern": "Epoch (["}, "objective.step_pattern: not a regular expression"),
+        ({"post_process": ""}, "objective.post_process: the command is empty"),
+        ({"post_process": []}, "objective.post_process: the command is empty"),
+        ({"post_process": "python 'parse.py"}, "objective.post_process: cannot split the command: No closing quotation"),
+    ],
+)
+def test_a_bad_objective_names_its_field(tmp_path: Path, write_scenario: WriteScenario, objective: dict[str, Any],
+                                         expected: str) -> None:
+    path = write_scenario(tmp_path, objective=objective)
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+    assert "\n" not in str(info.value)
+
+
+def test_reserved_names_are_the_attributes_hpo_records() -> None:
+    assert {"outcome", "reason", "duration_s", "folder", "worker", "slot", "gpus", "rerun_of", "retry_of",
+            "requeue_of", "design_index", "lost_count"} <= RESERVED_ATTRS

@@ -102,7 +102,7 @@ def test_retry_failed_runs_a_failure_again_without_using_budget(tmp_path: Path,
 
 def test_requeue_is_idempotent(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
-    c = claim(scheduler)
+    claim(scheduler)
     store = scheduler.store
     with store.lock():
         row = store.rows()[0]

@@ -1,0 +1,349 @@
+"""Charts: the computed data (axis choice, colours per state, labels, importances) and every PNG drawn.
+
+The studies are real Optuna studies in memory: a small digits-like sweep (the main job's
+parameters, on a response surface shaped like its results: every ``conv_size=1`` trial
+errs 0.66-0.90), one where every trial failed, one with outliers, one with every outcome.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from hpo.errors import InputError
+from hpo.outcome import Outcome
+from hpo.plots import (
+    STATE_STYLE,
+    draw_all,
+    history_data,
+    importance_data,
+    states_data,
+    value_axis,
+    varying_params,
+)
+from hpo.scenario import Objective, Param, Scenario, Search
+
+DISTRIBUTIONS: dict[str, BaseDistribution] = {
+    "nb_filters": IntDistribution(8, 64, log=True),
+    "conv_size": IntDistribution(1, 5),
+    "dropout": FloatDistribution(0.0, 0.5),
+    "lr": FloatDistribution(1e-3, 0.1, log=True),
+    "optimizer": CategoricalDistribution(["sgd", "adam"]),
+}
+PARAMETERS = {
+    "nb_filters": Param(type="int", low=8, high=64, log=True),
+    "conv_size": Param(type="int", low=1, high=5),
+    "dropout": Param(type="float", low=0.0, high=0.5),
+    "lr": Param(type="float", low=1e-3, high=0.1, log=True),
+    "optimizer": Param(type="categorical", choices=("sgd", "adam")),
+    "epochs": Param(type="constant", value=8),
+}
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+ARGPARSE_REASON = "exit code 2: main.py: error: unrecognized arguments: --batch_size 64"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A trial as the charts read it (what ``hpo.store.TrialRow`` provides)."""
+
+    number: int
+    state: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    value: float | None = None
+    held_out: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+def scenario(name: str = "digits", held_out: tuple[str, ...] = ("test_error",)) -> Scenario:
+    """The main job's scenario, minus its template."""
+    return Scenario(name=name, command=("python", "digits_cnn.py"), parameters=PARAMETERS,
+                    search=Search(method="tpe", trials=15, seed=1),
+                    objective=Objective(metric="val_error", direction="minimize", held_out=held_out),
+                    path=Path("/project/scenarios/digits.yaml"))
+
+
+def digits_error(params: Mapping[str, Any], rng: random.Random) -> float:
+    """A validation error shaped like the main job's: conv_size 1 fails to learn, lr matters most after it."""
+    if params["conv_size"] == 1:
+        return rng.uniform(0.66, 0.90)
+    lr = 0.05 * (math.log10(params["lr"]) + 1.7) ** 2
+    filters = 0.02 * math.log2(64 / params["nb_filters"])
+    return 0.03 + lr + filters + 0.04 * params["dropout"] + (0.03 if params["optimizer"] == "sgd" else 0.0)
+
+
+def digits_study(trials: int = 15, seed: int = 1) -> tuple[optuna.Study, list[Row]]:
+    """A small sweep run by Optuna's random sampler; its rows carry the held-out test error."""
+    rng = random.Random(seed)
+    study = optuna.create_study(study_name="digits", sampler=optuna.samplers.RandomSampler(seed=seed))
+
+    def objective(trial: optuna.Trial) -> float:
+        params = {"nb_filters": trial.suggest_int("nb_filters", 8, 64, log=True),
+                  "conv_size": trial.suggest_int("conv_size", 1, 5),
+                  "dropout": trial.suggest_float("dropout", 0.0, 0.5),
+                  "lr": trial.suggest_float("lr", 1e-3, 0.1, log=True),
+                  "optimizer": trial.suggest_categorical("optimizer", ["sgd", "adam"])}
+        error = digits_error(params, rng)
+        trial.set_user_attr("test_error", error + rng.uniform(-0.01, 0.03))
+        return error
+
+    study.optimize(objective, n_trials=trials)
+    rows = [Row(t.number, t.state.name, t.params, t.value, {"test_error": t.user_attrs["test_error"]})
+            for t in study.trials]
+    return study, rows
+
+
+def study_of(name: str, rows: list[Row]) -> optuna.Study:
+    """An Optuna study holding ``rows`` as trials (every outcome Optuna has no state for as FAIL)."""
+    study = optuna.create_study(study_name=name)
+    states = {"COMPLETE": TrialState.COMPLETE, "PRUNED": TrialState.PRUNED, "RUNNING": TrialState.RUNNING,
+              "WAITING": TrialState.WAITING}
+    for row in rows:
+        study.add_trial(create_trial(state=states.get(row.state, TrialState.FAIL), params=dict(row.params),
+                                     distributions={k: DISTRIBUTIONS[k] for k in row.params},
+                                     value=row.value if row.state == "COMPLETE" else None))
+    return study
+
+
+def random_params(rng: random.Random) -> dict[str, Any]:
+    """Parameters drawn like the main job's design."""
+    return {"nb_filters": round(2 ** rng.uniform(3, 6)), "conv_size": rng.randint(1, 5),
+            "dropout": rng.uniform(0, 0.5), "lr": 10 ** rng.uniform(-3, -1), "optimizer": rng.choice(["sgd", "adam"])}
+
+
+def all_failed_rows() -> list[Row]:
+    """Six trials that never started training, and one that hit the time limit."""
+    rng = random.Random(5)
+    rows = [Row(n, "FAIL", random_params(rng), reason=ARGPARSE_REASON) for n in range(6)]
+    return rows + [Row(6, "TIMEOUT", random_params(rng), reason="killed after 300 s (resources.timeout)")]
+
+
+def outlier_rows() -> list[Row]:
+    """Thirty trials near 0.1-0.4 and two that diverged to 1e3 and 1e5."""
+    rng = random.Random(7)
+    rows = []
+    for number in range(32):
+        params = random_params(rng)
+        value = {5: 1.2e3, 21: 9.5e4}.get(number, digits_error({**params, "conv_size": 3}, rng) + 0.08)
+        rows.append(Row(number, "COMPLETE", params, value, {"test_error": value * 1.1}))
+    return rows
+
+
+def mixed_rows() -> list[Row]:
+    """Every outcome: mostly complete, a few of each other state, two running and one waiting."""
+    rng = random.Random(11)
+    states = ["COMPLETE"] * 14 + ["PRUNED"] * 4 + ["FAIL"] * 3 + ["TIMEOUT", "STOPPED", "LOST", "INTERRUPTED",
+                                                                   "RUNNING", "RUNNING", "WAITING"]
+    rng.shuffle(states)
+    rows = []
+    for number, state in enumerate(states):
+        params = random_params(rng)
+        value = digits_error(params, rng) if state == "COMPLETE" else None
+        reason = {"FAIL": "exit code 1: RuntimeError: CUDA error: an illegal memory access was encountered"}
+        rows.append(Row(number, state, params, value, {"test_error": value + 0.01} if value else {},
+                        reason.get(state, "")))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("values", "scale", "below", "above"),
+    [
+        pytest.param([0.12, 0.3, 0.25, 0.18, 0.9], "linear", 0, 0, id="plain"),
+        pytest.param([0.05 * 1.6 ** k for k in range(16)], "log", 0, 0, id="decades-spread-out"),
+        pytest.param([0.1 + 0.01 * k for k in range(30)] + [1.2e3, 9.5e4], "linear", 0, 2, id="two-diverged"),
+        pytest.param([-3.0 + 0.1 * k for k in range(20)] + [-500.0], "linear", 1, 0, id="one-low-outlier"),
+        pytest.param([0.2, 0.21, 40.0], "log", 0, 0, id="too-few-to-call-outliers"),
+        pytest.param([0.03 + 0.005 * k for k in range(12)] + [0.7, 0.8, 0.9], "linear", 0, 0,
+                     id="bad-trials-are-not-outliers"),
+        pytest.param([0.5] * 6, "linear", 0, 0, id="constant"),
+        pytest.param([10 ** (k / 4) for k in range(-8, 9)] + [1e9], "log", 0, 0, id="bulk-spanning-decades-stays-log"),
+        pytest.param([-1.0, 2.0, -300.0, 150.0, 4.0, 9.0, -20.0, 60.0], "linear", 0, 0, id="signed-spread"),
+    ],
+)
+def test_the_value_axis_fits_the_values(values: list[float], scale: str, below: int, above: int) -> None:
+    axis = value_axis(values)
+    assert axis is not None
+    assert (axis.scale, axis.below, axis.above) == (scale, below, above)
+    kept = [v for v in values if axis.low <= v <= axis.high]
+    assert len(kept) == len(values) - below - above
+    assert axis.low < min(kept) and axis.high > max(kept)
+
+
+def test_a_clipped_axis_says_so_and_clips() -> None:
+    axis = value_axis([0.1 + 0.01 * k for k in range(30)] + [1.2e3, 9.5e4])
+    assert axis is not None and axis.clipped
+    assert axis.label("val_error") == f"val_error (clipped: 2 above {axis.high:.3g})"
+    assert axis.clip(9.5e4) == axis.high and axis.clip(0.2) == 0.2
+    assert axis.target_label("val_error") == f"val_error (clipped to {axis.low:.3g}..{axis.high:.3g})"
+
+
+def test_a_log_axis_says_so_and_measures_in_log10() -> None:
+    axis = value_axis([0.05 * 1.6 ** k for k in range(16)])
+    assert axis is not None
+    assert axis.label("loss") == "loss (log scale)" and axis.target_label("loss") == "log10(loss)"
+    assert axis.target(100.0) == pytest.approx(2.0)
+    assert value_axis([]) is None and value_axis([math.nan, math.inf]) is None
+
+
+def test_history_of_a_real_small_study() -> None:
+    _, rows = digits_study()
+    assert sum(row.params["conv_size"] == 1 for row in rows) == 3
+    data = history_data(rows, "minimize", ("test_error",))
+    assert data.numbers == tuple(range(15))
+    assert list(data.best_values) == [min(data.values[:k + 1]) for k in range(15)]
+    best_at = [min(range(k + 1), key=lambda i: data.values[i]) for k in range(15)]
+    assert data.best_held_out["test_error"] == tuple(rows[i].held_out["test_error"] for i in best_at)
+    assert data.axis is not None and data.axis.scale == "linear" and not data.axis.clipped
+    assert data.held_out_apart == ()
+    assert data.others == {} and data.top_reason is None
+
+
+def test_history_maximizes_too() -> None:
+    rows = [Row(n, "COMPLETE", value=v) for n, v in enumerate([0.5, 0.7, 0.6, 0.9])]
+    assert history_data(rows, "maximize", ()).best_values == (0.5, 0.7, 0.7, 0.9)
+
+
+def test_history_with_no_completed_trial_names_the_commonest_reason() -> None:
+    data = history_data(all_failed_rows(), "minimize", ("test_error",))
+    assert data.axis is None and data.values == ()
+    assert data.others == {Outcome.FAIL: (0, 1, 2, 3, 4, 5), Outcome.TIMEOUT: (6,)}
+    assert data.top_reason == (ARGPARSE_REASON, 6)
+    assert data.last_number == 6
+
+
+def test_history_of_outliers_clips_and_keeps_the_held_out_metric_beside() -> None:
+    data = history_data(outlier_rows(), "minimize", ("test_error",))
+    assert data.axis is not None and data.axis.above == 2 and data.axis.high < 2
+    assert data.held_out_apart == ()
+
+
+@pytest.mark.parametrize(
+    ("values", "held_out", "apart"),
+    [
+        pytest.param([0.05 - 0.005 * n for n in range(6)], {"test_error": 0.03, "correct": 9800.0}, ("correct",),
+                     id="a-count-beside-an-error"),
+        pytest.param([10 ** (1.5 - 0.5 * n) for n in range(8)], {"test_loss": 1.0, "correct": 9014.0}, ("correct",),
+                     id="a-count-beside-a-log-loss"),
+        pytest.param([0.5, 0.4, 0.3], {"test_error": 0.45, "test_loss": -1.0}, ("test_loss",), id="negative-value"),
+        pytest.param([0.5, 0.4, 0.3], {"test_error": 0.55}, (), id="same-scale"),
+    ],
+)
+def test_a_held_out_metric_on_another_scale_gets_its_own_panel(values: list[float], held_out: dict[str, float],
+                                                               apart: tuple[str, ...]) -> None:
+    rows = [Row(n, "COMPLETE", value=v, held_out=held_out) for n, v in enumerate(values)]
+    assert history_data(rows, "minimize", tuple(held_out)).held_out_apart == apart
+
+
+def test_history_marks_the_trials_that_did_not_complete_by_state() -> None:
+    rows = mixed_rows()
+    data = history_data(rows, "minimize", ("test_error",))
+    expected: dict[Outcome, list[int]] = {}
+    for row in rows:
+        if row.state != "COMPLETE":
+            expected.setdefault(Outcome(row.state), []).append(row.number)
+    assert data.others == {state: tuple(numbers) for state, numbers in expected.items()}
+    assert len(data.numbers) == 14
+    assert data.top_reason == ("exit code 1: RuntimeError: CUDA error: an illegal memory access was encountered", 3)
+
+
+def test_every_outcome_has_its_own_colour_and_meaning() -> None:
+    assert set(STATE_STYLE) == set(Outcome)
+    colours = [colour for colour, _ in STATE_STYLE.values()]
+    assert len(set(colours)) == len(colours)
+    assert STATE_STYLE[Outcome.COMPLETE][0] == "#2e7d32"
+    assert all("not its fault" in STATE_STYLE[o][1] for o in (Outcome.LOST, Outcome.INTERRUPTED))
+
+
+def _rgb(colour: str) -> tuple[int, int, int]:
+    return int(colour[1:3], 16), int(colour[3:5], 16), int(colour[5:7], 16)
+
+
+def test_failures_are_red_and_not_the_trials_fault_is_grey() -> None:
+    for outcome in (Outcome.FAIL, Outcome.TIMEOUT):
+        red, green, blue = _rgb(STATE_STYLE[outcome][0])
+        assert red > 2 * max(green, blue)
+    for outcome in (Outcome.LOST, Outcome.INTERRUPTED, Outcome.STOPPED, Outcome.PRUNED):
+        red, green, blue = _rgb(STATE_STYLE[outcome][0])
+        assert red < 2 * max(green, blue), outcome
+    for outcome in (Outcome.LOST, Outcome.INTERRUPTED):
+        assert max(_rgb(STATE_STYLE[outcome][0])) - min(_rgb(STATE_STYLE[outcome][0])) < 40
+
+
+def test_states_are_counted_in_a_fixed_order_with_their_colours_and_labels() -> None:
+    bars = states_data(mixed_rows())
+    assert [(bar.outcome.value, bar.count) for bar in bars] == [
+        ("COMPLETE", 14), ("PRUNED", 4), ("STOPPED", 1), ("TIMEOUT", 1), ("FAIL", 3), ("LOST", 1),
+        ("INTERRUPTED", 1), ("RUNNING", 2), ("WAITING", 1)]
+    assert all(bar.colour == STATE_STYLE[bar.outcome][0] for bar in bars)
+    assert bars[5].label == "LOST: its worker died: runs again, not its fault"
+
+
+def test_varying_params_leave_out_constants_and_unvaried_ones() -> None:
+    rows = [Row(0, "COMPLETE", {"lr": 0.1, "conv_size": 3, "epochs": 8}, 0.2),
+            Row(1, "COMPLETE", {"lr": 0.01, "conv_size": 3, "epochs": 8}, 0.3),
+            Row(2, "FAIL", {"lr": 0.5, "conv_size": 5, "epochs": 8})]
+    assert varying_params(rows, PARAMETERS) == ["lr"]
+    assert varying_params([], PARAMETERS) == []
+
+
+def test_fanova_ranks_conv_size_first_on_the_small_study() -> None:
+    study, rows = digits_study()
+    axis = value_axis([r.value for r in rows if r.value is not None])
+    assert axis is not None
+    data = importance_data(study, varying_params(rows, PARAMETERS), "val_error", axis, seed=1)
+    assert data is not None
+    assert data.params[0] == "conv_size" and data.values[0] > 0.5
+    assert sum(data.values) == pytest.approx(1.0)
+    assert data.target == "val_error" and data.trials == 15
+    again = importance_data(study, varying_params(rows, PARAMETERS), "val_error", axis, seed=1)
+    assert again == data
+
+
+def test_importances_of_outliers_are_of_the_clipped_values() -> None:
+    rows = outlier_rows()
+    axis = value_axis([r.value for r in rows if r.value is not None])
+    assert axis is not None
+    data = importance_data(study_of("outliers", rows), varying_params(rows, PARAMETERS), "val_error", axis, seed=1)
+    assert data is not None and data.target.startswith("val_error (clipped to ")
+
+
+CASES = {
+    "small-study": lambda: digits_study(),
+    "all-failed": lambda: (study_of("all-failed", all_failed_rows()), all_failed_rows()),
+    "outliers": lambda: (study_of("outliers", outlier_rows()), outlier_rows()),
+    "mixed-states": lambda: (study_of("mixed", mixed_rows()), mixed_rows()),
+}
+EXPECTED_FILES = {
+    "small-study": ["history", "states", "importances", "slice", "parallel"],
+    "all-failed": ["history", "states"],
+    "outliers": ["history", "states", "importances", "slice", "parallel"],
+    "mixed-states": ["history", "states", "importances", "slice", "parallel"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_draw_all_writes_every_chart_the_trials_allow(case: str, tmp_path: Path) -> None:
+    study, rows = CASES[case]()
+    paths = draw_all(study, scenario(case), tmp_path / "plots", rows=rows)
+    assert [p.name for p in paths] == [f"{name}.png" for name in EXPECTED_FILES[case]]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_draw_all_refuses_a_study_without_trials(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="study digits has no trials to plot yet"):
+        draw_all(optuna.create_study(), scenario(), tmp_path, rows=[])
+
+
+def test_draw_all_reads_the_rows_from_the_study_when_not_given(tmp_path: Path) -> None:
+    study, _ = digits_study(trials=4)
+    paths = draw_all(study, scenario(held_out=()), tmp_path)
+    assert {p.name for p in paths} >= {"history.png", "states.png"}
+
