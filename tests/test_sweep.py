@@ -1,0 +1,151 @@
+"""The sweep in-process, on a fake executor: claims, settling, stop requests and graceful stops."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
+from hpo.executor import TrialControl, TrialSpec
+from hpo.launch import Slot
+from hpo.outcome import Outcome, TrialResult
+from hpo.scenario import load_scenario
+from hpo.storage import StoreUnavailable
+
+WriteScenario = Callable[..., Path]
+
+
+class FakeExecutor:
+    """Runs no process: a trial 'reports' its steps, then completes with value x, unless the
+    sweep asks it to end; ``hold`` keeps trials running until it is set."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps = steps
+        self.hold = threading.Event()
+        self.hold.set()
+        self.specs: list[TrialSpec] = []
+        self.closed = False
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        self.specs.append(spec)
+        control.started(spec.slot.gpus)
+        for step in range(self.steps):
+            if control.intermediate(step, float(spec.params["x"]) + 1.0 / (step + 1)):
+                return TrialResult(Outcome.PRUNED, reason=f"pruned at step {step}", step=step)
+        while not self.hold.wait(0.01):
+            request = control.end_request()
+            if request == "interrupted":
+                return TrialResult(Outcome.INTERRUPTED, reason="interrupted")
+            if request == "stopped":
+                return TrialResult(Outcome.STOPPED, reason="stopped by the user")
+        return TrialResult(Outcome.COMPLETE, float(spec.params["x"]), {"test_error": 1.0}, 0.01)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make(tmp_path: Path, write_scenario: WriteScenario, executor: FakeExecutor, parallel: int = 2,
+         **search: object) -> Sweep:
+    scenario = load_scenario(write_scenario(tmp_path, search={"method": "monte_carlo", "trials": 6, "seed": 1,
+                                                              **search}, resources={"heartbeat": 1}))
+    slots = tuple(Slot(i, (), 1, 1) for i in range(parallel))
+    sweep = Sweep(SweepConfig(scenario, f"sqlite:///{tmp_path}/study.db", tmp_path / "w", slots, seed=1), executor)
+    sweep.prepare()
+    return sweep
+
+
+def run_in_thread(sweep: Sweep, observer: object | None = None) -> threading.Thread:
+    thread = threading.Thread(target=sweep.run, args=(observer,))
+    thread.start()
+    return thread
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+class Recorder:
+    """An observer that records what it is told."""
+
+    def __init__(self) -> None:
+        self.starts: list[TrialStart] = []
+        self.ends: list[TrialEnd] = []
+
+    def started(self, start: TrialStart) -> None:
+        self.starts.append(start)
+
+    def finished(self, end: TrialEnd) -> None:
+        self.ends.append(end)
+
+
+def test_a_design_runs_to_its_budget_on_every_slot(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    executor = FakeExecutor()
+    sweep = make(tmp_path, write_scenario, executor)
+    recorder = Recorder()
+    sweep.run(recorder)
+    rows = sweep.store.rows()
+    assert [r.outcome for r in rows] == [Outcome.COMPLETE] * 6
+    assert {s.slot for s in recorder.starts} == {0, 1} and len(recorder.ends) == 6
+    assert all(len(sweep.store.trial(r.number).intermediate_values) == 3 for r in rows)
+    assert executor.closed and {spec.folder for spec in executor.specs} == {Path(r.folder) for r in rows}
+
+
+def test_stop_ends_running_trials_and_puts_claims_back(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    executor = FakeExecutor()
+    executor.hold.clear()
+    sweep = make(tmp_path, write_scenario, executor)
+    thread = run_in_thread(sweep)
+    wait_for(lambda: len(executor.specs) == 2 and len(sweep.store.rows()) >= 4)  # 2 running, 2 claimed ahead
+    sweep.stop()
+    thread.join(30)
+    rows = sweep.store.rows()
+    outcomes = [r.outcome for r in rows]
+    assert outcomes.count(Outcome.INTERRUPTED) == 2 and Outcome.RUNNING not in outcomes
+    assert outcomes.count(Outcome.WAITING) == 4  # 2 claims put back, 2 copies of the interrupted trials
+    again = make(tmp_path, write_scenario, FakeExecutor())
+    again.run()
+    done = [r for r in again.store.rows() if r.outcome is Outcome.COMPLETE]
+    assert sorted(r.design_index for r in done) == list(range(6))
+
+
+def test_a_stop_request_reaches_the_running_trial(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    executor = FakeExecutor()
+    executor.hold.clear()
+    sweep = make(tmp_path, write_scenario, executor, parallel=1, trials=1)
+    thread = run_in_thread(sweep)
+    wait_for(lambda: len(executor.specs) == 1)
+    sweep.store.request_stop(0)
+    thread.join(30)
+    row = sweep.store.rows()[0]
+    assert (row.outcome, row.reason) == (Outcome.STOPPED, "stopped by the user")
+
+
+def test_pruning_ends_bad_trials_in_process(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario_search = {"trials": 10, "pruner": "median"}
+    sweep = make(tmp_path, write_scenario, FakeExecutor(steps=4), parallel=1, **scenario_search)
+    sweep.run()
+    outcomes = [r.outcome for r in sweep.store.rows()]
+    assert Outcome.PRUNED in outcomes and Outcome.COMPLETE in outcomes
+
+
+def test_a_store_that_stays_down_stops_the_sweep(tmp_path: Path, write_scenario: WriteScenario,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = make(tmp_path, write_scenario, FakeExecutor(), parallel=1)
+    failed = StoreUnavailable("the store sqlite:///x has not answered for 300 s (resources.store_retry): down")
+
+    def down(*args: object) -> bool:
+        raise failed
+
+    executor = sweep._executor
+    monkeypatch.setattr(sweep.store, "record", down)
+    with pytest.raises(StoreUnavailable, match="has not answered"):
+        sweep.run()
+    assert sweep.stopping and len(executor.specs) == 1  # the slot stopped at its first failure to record
+    # left for a resume to recover: the trial that ran, and the claim made ahead (it never started)
+    assert [r.outcome for r in sweep.store.rows()] == [Outcome.RUNNING, Outcome.WAITING]
