@@ -146,6 +146,7 @@ def test_a_store_that_stays_down_stops_the_sweep(tmp_path: Path, write_scenario:
     monkeypatch.setattr(sweep.store, "record", down)
     with pytest.raises(StoreUnavailable, match="has not answered"):
         sweep.run()
-    assert sweep.stopping and len(executor.specs) == 1  # the slot stopped at its first failure to record
-    # left for a resume to recover: the trial that ran, and the claim made ahead (it never started)
-    assert [r.outcome for r in sweep.store.rows()] == [Outcome.RUNNING, Outcome.WAITING]
+    # a design settles in the background while the next trial starts: the slot stops at the first
+    # failure it sees, after one or two trials; nothing was recorded, all is left for a resume
+    assert sweep.stopping and 1 <= len(executor.specs) <= 2
+    assert {r.outcome for r in sweep.store.rows()} <= {Outcome.RUNNING, Outcome.WAITING}
