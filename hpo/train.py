@@ -46,6 +46,7 @@ Importing this module imports torch; ``import hpo`` alone does not.
 """
 from __future__ import annotations
 
+import abc
 import atexit
 import functools
 import os
@@ -278,7 +279,7 @@ class ImageTransform:
         return images
 
 
-class Batches:
+class Batches(abc.ABC):
     """This rank's shuffled batches of a training split, one pass per :meth:`epoch`.
 
     Epoch ``e`` deals ``DistributedSampler``'s permutation for ``(seed, e)`` out to the ranks
@@ -287,8 +288,6 @@ class Batches:
     reaches the device, then the transform (augmenting from a generator on the device seeded
     with ``seed + rank``). Subclasses say how a batch is fetched.
     """
-
-    resident: bool = False
 
     def __init__(self, size: int, runtime: Runtime, batch_size: int, seed: int,
                  transform: Transform | None) -> None:
@@ -320,8 +319,9 @@ class Batches:
         """This rank's sample indices for the current epoch, in order."""
         return list(self._sampler)
 
+    @abc.abstractmethod
     def _fetch(self) -> Iterator[Batch]:
-        raise NotImplementedError
+        """This epoch's raw ``(inputs, labels)`` batches, in the order of :meth:`_order`."""
 
 
 class DeviceData(Batches):
@@ -334,8 +334,6 @@ class DeviceData(Batches):
         seed: seeds the per-epoch permutation and the augmentation.
         transform: applied to each batch on the device (see :class:`ImageTransform`).
     """
-
-    resident = True
 
     def __init__(self, split: TensorDataset, runtime: Runtime, batch_size: int, seed: int,
                  transform: Transform | None = None) -> None:
@@ -369,7 +367,7 @@ class LoaderData(Batches):
     def __init__(self, split: Dataset[tuple[torch.Tensor, torch.Tensor]], runtime: Runtime,
                  batch_size: int, seed: int, transform: Transform | None = None,
                  workers: int = 0) -> None:
-        super().__init__(len(split), runtime, batch_size, seed, transform)  # type: ignore[arg-type]  # map-style: sized
+        super().__init__(len(split), runtime, batch_size, seed, transform)  # type: ignore[arg-type]
         # Its own generator (for worker seeds) keeps the DataLoader off torch's global one,
         # which draws the dropout masks: both paths must leave it alone.
         self._loader = DataLoader(split, batch_size=self.local_batch, sampler=self._sampler,
