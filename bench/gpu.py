@@ -358,7 +358,9 @@ def startup(gpu: bool, repeats: int) -> None:
     if gpu:
         rows.append(("import torch + CUDA context", [python, "-c", "import torch; torch.zeros(1, device='cuda')"], 1))
     rows += [
-        ("the template's imports", [python, "-c", "import torch, sklearn.model_selection, hpo.train"], 1),
+        ("import torch, hpo.train", [python, "-c", "import torch, hpo.train"], 1),
+        ("  + sklearn (digits data, split)",
+         [python, "-c", "import torch, hpo.train, sklearn.datasets, sklearn.model_selection"], 1),
         ("digits template, plain", [python, "digits_cnn.py"], 1),
         ("digits template, torchrun 1 proc", [*launch, "1", "--no-python", python, "digits_cnn.py"], 1),
     ]
