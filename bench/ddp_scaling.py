@@ -5,8 +5,9 @@ gloo; GPU: one GPU per process, NCCL):
 
 * ``hpo template``: ``templates/digits_cnn.py.j2`` rendered and run as hpo runs a trial,
   plainly for one process and under torchrun for more;
-* ``plain loop``: the same model, split, sampler, DDP training and per-epoch validation
-  written out in this file with no hpo import and no ``report``.
+* ``plain loop``: the same model, split, sampling order (``DistributedSampler``'s), data
+  resident on the device, DDP training and per-epoch validation written out in this file
+  with no hpo import and no ``report``.
 
 An epoch is timed between the moments its line and the previous epoch's line reach
 stdout, so start-up and the first (warm-up) epoch are left out. Runs are interleaved
@@ -42,7 +43,8 @@ def plain_training(epochs: int) -> None:
     """The digits CNN trained with plain PyTorch DDP; one ``epoch N val_error E`` line each.
 
     Mirrors the template's main loop step for step (global batch ``BATCH_SIZE``, SGD with
-    momentum, no dropout, validation on rank 0), with nothing from hpo.
+    momentum, no dropout, the training set on the device, validation on rank 0), with
+    nothing from hpo.
     """
     import torch
     import torch.distributed as dist
@@ -51,7 +53,7 @@ def plain_training(epochs: int) -> None:
     from sklearn.model_selection import train_test_split
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import DistributedSampler
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if torch.cuda.is_available():
@@ -72,8 +74,8 @@ def plain_training(epochs: int) -> None:
                                             random_state=SPLIT_SEED)
     train_x, val_x, train_y, val_y = train_test_split(rest_x, rest_y, test_size=0.2,
                                                       stratify=rest_y, random_state=SPLIT_SEED)
-    train_set = TensorDataset(torch.tensor(train_x, dtype=torch.float32).view(-1, 1, 8, 8) / 16,
-                              torch.tensor(train_y))
+    train_images = (torch.tensor(train_x, dtype=torch.float32).view(-1, 1, 8, 8) / 16).to(device)
+    train_labels = torch.tensor(train_y).to(device)
     val_images = torch.tensor(val_x, dtype=torch.float32).view(-1, 1, 8, 8) / 16
     val_labels = torch.tensor(val_y)
 
@@ -85,18 +87,19 @@ def plain_training(epochs: int) -> None:
     ).to(device, memory_format=memory_format)
     model = DistributedDataParallel(net) if world_size > 1 else net
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=SEED, drop_last=True)
-    loader = DataLoader(train_set, batch_size=BATCH_SIZE // world_size, sampler=sampler,
-                        drop_last=True, pin_memory=on_gpu)
+    sampler = DistributedSampler(range(len(train_labels)), num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=SEED, drop_last=True)
+    local_batch = BATCH_SIZE // world_size
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler)).to(device)
         model.train()
-        for images, targets in loader:
-            images = images.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+        for start in range(0, len(order) // local_batch * local_batch, local_batch):
+            index = order[start:start + local_batch]
+            images = train_images[index].contiguous(memory_format=memory_format)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = F.cross_entropy(model(images), targets.to(device, non_blocking=True))
+                loss = F.cross_entropy(model(images), train_labels[index])
             loss.backward()
             optimizer.step()
         if rank == 0:

@@ -121,17 +121,9 @@ def scenario_path(tmp_path: Path) -> Path:
 
 def run_torch_job(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
                   timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """Run a training script; run it once more if gloo aborted the process at exit.
+    """Run a training script (plainly or under torchrun) and capture its output (text).
 
-    PyTorch's gloo backend can abort a rank at interpreter shutdown (SIGABRT) after the
-    script finished (pytorch/pytorch#190489), more often on a loaded machine. That upstream
-    race is retried once; any other failure, or a second abort, is returned as it is.
+    No retry: a rank that aborts at exit after its work is done is a bug of the script.
     """
-    def once() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(list(argv), cwd=cwd, env=dict(env), capture_output=True, text=True,
-                              timeout=timeout, check=False)
-
-    done = once()
-    if done.returncode != 0 and "SIGABRT" in done.stdout + done.stderr:
-        done = once()
-    return done
+    return subprocess.run(list(argv), cwd=cwd, env=dict(env), capture_output=True, text=True,
+                          timeout=timeout, check=False)

@@ -3,8 +3,9 @@
 The digits template, rendered with no dropout and plain SGD, is trained twice with the
 same seed and the same global batch of 2b samples: once as a single process taking
 batches of 2b, once under torchrun as 2 gloo processes taking batches of b each. Every
-epoch's shuffled order is the same permutation in both runs; ``DistributedSampler`` deals
-it out round-robin (rank r takes positions r, r + 2, ...), so step k of the two processes
+epoch's shuffled order is the same permutation in both runs (``DistributedSampler``'s, on
+the device); ``hpo.train.batches`` deals it out round-robin (rank r takes positions r,
+r + 2, ...), so step k of the two processes
 together covers exactly the 2b samples of step k of the single process. Each process's
 loss is the mean over its b samples and DDP averages the two gradients, which is the
 gradient of the mean loss over the 2b samples: the trained weights must agree up to
@@ -79,7 +80,7 @@ def test_two_processes_learn_the_same_weights_as_one(tmp_path: Path, single: Tra
 def test_the_weights_compared_are_trained_ones(single: Trained) -> None:
     script = runpy.run_path(str(single.folder / "digits_cnn.py"), run_name="digits_cnn")
     torch.manual_seed(SEED)
-    initial = script["DigitsCNN"](PARAMS["nb_filters"], PARAMS["conv_size"], 0.0).state_dict()
+    initial = script["make_model"]().state_dict()
 
     moved = max((single.weights[name] - initial[name]).abs().max().item() for name in initial)
 

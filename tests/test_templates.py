@@ -4,8 +4,9 @@ Each template is rendered with Jinja2 (StrictUndefined) into a fresh folder and 
 subprocess on the CPU: plainly (one process) or under ``torch.distributed.run`` with 2
 gloo processes: the digits MLP both ways, the Wide ResNet (2 GPUs per trial in its
 scenario) under torchrun, the others plainly; test_ddp_equivalence.py runs the digits CNN
-both ways. MNIST and CIFAR-10 read small synthetic files written in the real formats by
-:mod:`hpo.data`'s writers.
+both ways. No run is retried: a rank that aborts at exit fails its test. MNIST and
+CIFAR-10 read small synthetic files written in the real formats by :mod:`hpo.data`'s
+writers.
 """
 from __future__ import annotations
 
@@ -161,6 +162,16 @@ def test_digits_cnn_learns_in_a_few_epochs(tmp_path: Path) -> None:
     metrics = run_trial(script, nproc=1, epochs=8)
 
     assert metrics.final["val_error"] < 0.1
+
+
+def test_a_copied_trial_folder_writes_its_outputs_into_itself(tmp_path: Path) -> None:
+    script = render("digits_cnn.py.j2", tmp_path / "trial", **DIGITS_CNN)
+    copy = Path(shutil.copytree(script.parent, tmp_path / "best-trial"))
+
+    run_trial(copy / script.name, nproc=1, epochs=1)
+
+    assert (copy / "model.pt").is_file()
+    assert not (script.parent / "model.pt").exists()
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
