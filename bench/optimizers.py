@@ -34,9 +34,12 @@ from dataclasses import dataclass
 import optuna
 
 from bench.functions import FUNCTIONS, TestFunction
+from hpo import space
+from hpo.optimizer import SmacSampler
 from hpo.samplers import build_sampler
 
 METHODS = ("smac", "tpe", "gp", "SMAC3", "random")
+VARIANTS = ("smac-forest", "smac-gp")
 ANCHORS = ("tpe", "gp", "SMAC3")
 
 
@@ -51,8 +54,16 @@ class Run:
     seconds: float
 
 
+def _sampler(fn: TestFunction, method: str, seed: int) -> optuna.samplers.BaseSampler:
+    """hpo's sampler of ``method``; a variant ``smac-MODEL`` forces the model of smac's portfolio."""
+    if method in VARIANTS:
+        return SmacSampler(fn.config_space(seed=seed), seed=seed, steps=space.grid_steps(fn.params),
+                           model=method.split("-")[1])
+    return build_sampler(method, fn.params, seed=seed)
+
+
 def _optuna_values(fn: TestFunction, method: str, n_trials: int, seed: int) -> list[float]:
-    study = optuna.create_study(sampler=build_sampler(method, fn.params, seed=seed))
+    study = optuna.create_study(sampler=_sampler(fn, method, seed))
     study.optimize(fn, n_trials=n_trials)
     return [t.value if t.value is not None else float("inf") for t in study.trials]
 
@@ -122,7 +133,7 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
     """The table of median regrets and smac's ratio to the best anchor, then mean run times."""
-    methods = [m for m in METHODS if any(r.method == m for r in runs)]
+    methods = [m for m in METHODS + VARIANTS if any(r.method == m for r in runs)]
     lines = [f"{'function':<13} {'trials':>6} " + " ".join(f"{m:>10}" for m in methods) + f" {'smac/best':>9} {'best':>6}"]
     for name in functions:
         for budget in budgets:
@@ -155,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10, help="seeds per method and function (default 10)")
     parser.add_argument("--functions", default=",".join(FUNCTIONS), help="comma-separated names or tags")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS + VARIANTS))
     parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--save", metavar="FILE", help="write this run's results to FILE (JSON)")
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     functions = [n for f in args.functions.split(",") if f
                  for n in ([f] if f in FUNCTIONS else [n for n, fn in FUNCTIONS.items() if f in fn.tags])]
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in METHODS + VARIANTS]
     if unknown or not functions:
         parser.error(f"unknown method {unknown[0]}" if unknown else "no function matches --functions")
     seeds = 3 if args.quick else args.seeds

@@ -37,10 +37,10 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
     if method == "gp":
         return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
     if method == "smac":
-        from hpo.forest import ForestSampler
+        from hpo.optimizer import SmacSampler
 
-        return ForestSampler(space.config_space(parameters, seed=seed), seed=seed,
-                             steps=space.grid_steps(parameters), direction=direction)
+        return SmacSampler(space.config_space(parameters, seed=seed), seed=seed,
+                           steps=space.grid_steps(parameters), direction=direction)
     return optuna.samplers.RandomSampler(seed=seed)
 
 
