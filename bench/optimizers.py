@@ -5,8 +5,8 @@ Run from the repository root::
     python -m bench.optimizers                          # every function, 10 seeds, 100 trials
     python -m bench.optimizers --quick                  # 3 seeds, 50 trials, a smoke test
     python -m bench.optimizers --functions branin,mixed --seeds 5
-    python -m bench.optimizers --methods SMAC3,tpe,gp,random --save bench/baselines.json   # once (slow)
-    python -m bench.optimizers --methods smac --load bench/baselines.json              # then smac beside them
+    python -m bench.optimizers --methods SMAC3,tpe,gp,random --save bench/baselines.jsonl  # once (slow)
+    python -m bench.optimizers --methods smac --load bench/baselines.jsonl             # then smac beside them
 
 hpo's methods are built exactly as a scenario's ``search.method`` builds them
 (:func:`hpo.samplers.build_sampler`) and suggest through :func:`hpo.space.suggest`, as the engine
@@ -149,27 +149,37 @@ def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
     return "\n".join(lines)
 
 
-def save(runs: list[Run], path: str) -> None:
-    """Write ``runs`` to ``path`` as JSON."""
-    with open(path, "w") as out:
-        json.dump([dataclasses.asdict(r) for r in runs], out)
+def save(run: Run, path: str) -> None:
+    """Append ``run`` to ``path`` (one JSON object a line)."""
+    with open(path, "a") as out:
+        out.write(json.dumps(dataclasses.asdict(run)) + "\n")
 
 
 def load(path: str) -> list[Run]:
-    """The runs saved at ``path``."""
+    """The runs saved at ``path`` (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
     with open(path) as saved:
-        return [Run(**{**r, "best": {int(b): v for b, v in r["best"].items()}}) for r in json.load(saved)]
+        rows = [json.loads(line) for line in saved if line.strip()]
+    return [Run(**{**r, "best": {int(b): v for b, v in r["best"].items()}}) for r in rows]
+
+
+def _seeds(text: str) -> range:
+    """``N`` (seeds 0 to N-1) or ``A:B`` (seeds A to B-1)."""
+    first, _, last = text.rpartition(":")
+    return range(int(first or 0), int(last))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run every (method, function, seed) on ``--jobs`` processes, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=10, help="seeds per method and function (default 10)")
+    parser.add_argument("--seeds", type=_seeds, default=range(10), help="N seeds (0 to N-1, default 10) or A:B")
     parser.add_argument("--functions", default=",".join(FUNCTIONS), help="comma-separated names or tags")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS + VARIANTS))
     parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    parser.add_argument("--save", metavar="FILE", help="write this run's results to FILE (JSON)")
+    parser.add_argument("--save", metavar="FILE", help="append each run to FILE (JSON lines) as it ends; runs "
+                        "already there are not run again")
     parser.add_argument("--load", metavar="FILE", help="report these saved runs beside this run's")
     args = parser.parse_args(argv)
     functions = [n for f in args.functions.split(",") if f
@@ -178,18 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS + VARIANTS]
     if unknown or not functions:
         parser.error(f"unknown method {unknown[0]}" if unknown else "no function matches --functions")
-    seeds = 3 if args.quick else args.seeds
+    seeds = range(3) if args.quick else args.seeds
     budgets = [50] if args.quick else [50, 100]
-    tasks = [(m, f, s, tuple(budgets)) for m in methods for f in functions for s in range(seeds)]
-    tasks.sort(key=lambda t: (t[0] not in ("SMAC3", "gp"), FUNCTIONS[t[1]].optimum is not None))
+    done = [r for r in load(args.save) if r.function in functions and r.method in methods and r.seed in seeds
+            and all(b in r.best for b in budgets)] if args.save else []
+    finished = {(r.method, r.function, r.seed) for r in done}
+    tasks = [(m, f, s, tuple(budgets)) for s in seeds for f in functions for m in methods if (m, f, s) not in finished]
+    tasks.sort(key=lambda t: (t[2], FUNCTIONS[t[1]].optimum is None))
     start = time.perf_counter()
+    runs = list(done)
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        runs = list(pool.imap_unordered(run_one, tasks))
-    print(f"{len(runs)} runs, {max(budgets)} trials each, {seeds} seeds, in {time.perf_counter() - start:.0f} s\n")
-    if args.save:
-        save(runs, args.save)
+        for run in pool.imap_unordered(run_one, tasks):
+            runs.append(run)
+            if args.save:
+                save(run, args.save)
+    print(f"{len(tasks)} runs, {max(budgets)} trials each, seeds {seeds.start}-{seeds.stop - 1}, "
+          f"in {time.perf_counter() - start:.0f} s\n")
     if args.load:
-        runs += [r for r in load(args.load) if r.method not in methods and r.function in functions and r.seed < seeds]
+        runs += [r for r in load(args.load) if r.method not in methods and r.function in functions and r.seed in seeds]
     print(report(runs, budgets, functions))
     return 0
 

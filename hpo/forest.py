@@ -13,7 +13,6 @@ import math
 import numpy as np
 from scipy.spatial import cKDTree
 from scipy.special import ndtr
-from sklearn.ensemble import ExtraTreesRegressor
 
 from hpo.codec import Codec, impute
 from hpo.history import Observations
@@ -57,6 +56,8 @@ class Forest:
         x = np.vstack([observations.x, observations.pending])
         targets = np.concatenate([y, np.full(len(observations.pending), y.mean())])
         keep = _subsample(y, len(x), max_points, np.random.default_rng(seed))
+        from sklearn.ensemble import ExtraTreesRegressor  # imported when first needed: it is slow to import
+
         self._codec = codec
         self._model = ExtraTreesRegressor(n_estimators=n_trees, bootstrap=True, max_features=1.0, min_samples_split=2,
                                           min_samples_leaf=1, random_state=seed, n_jobs=1)

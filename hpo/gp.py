@@ -35,10 +35,6 @@ class GPProposer:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             self._sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=1, warn_independent_sampling=False)
 
-    def reseed_rng(self) -> None:
-        """Forget the seed."""
-        self._sampler.reseed_rng()
-
     def propose(self, observations: Observations) -> np.ndarray:
         """The row the GP's acquisition prefers, given the observations (at least one)."""
         study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),

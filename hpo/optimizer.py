@@ -101,7 +101,7 @@ class SmacSampler(BaseSampler):
         self._n_initial = max(2, n_initial if n_initial is not None else default_initial)
         self._history = History(self._codec, 1.0 if direction == "minimize" else -1.0, self._n_initial)
         self._gp_max_points = math.inf if model == "gp" else gp_max_points
-        self._gp = GPProposer(self._codec, seed) if self._gp_allowed else None
+        self._gp: GPProposer | None = None
         self._random_every = random_every
         self._n_trees = n_trees
         self._n_random = n_random
@@ -111,13 +111,13 @@ class SmacSampler(BaseSampler):
         self._lock = threading.Lock()
         self._proposals: dict[tuple[str, int], dict[str, Any]] = {}
         self._forest: tuple[str, Forest] | None = None
+        self._single_objective: set[str] = set()
 
     def reseed_rng(self) -> None:
         """Forget the seed: later proposals draw fresh randomness."""
         self._seed = None
         self._fallback.reseed_rng()
-        if self._gp is not None:
-            self._gp.reseed_rng()
+        self._gp = None
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         """Nothing is sampled relatively; see ``sample_independent``."""
@@ -135,7 +135,7 @@ class SmacSampler(BaseSampler):
     ) -> Any:
         """The trial's proposed value for ``param_name``, converted to ``param_distribution``;
         the proposal is made on the trial's first call."""
-        self._raise_error_if_multi_objective(study)
+        self._check_single_objective(study)
         key = (study.study_name, trial.number)
         with self._lock:
             proposal = self._proposals.get(key)
@@ -146,6 +146,12 @@ class SmacSampler(BaseSampler):
             if value is not None:
                 return value
         return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def _check_single_objective(self, study: Study) -> None:
+        """Raise ValueError for a multi-objective study (its directions are read once per study)."""
+        if study.study_name not in self._single_objective:
+            self._raise_error_if_multi_objective(study)
+            self._single_objective.add(study.study_name)
 
     def after_trial(
         self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
@@ -168,7 +174,8 @@ class SmacSampler(BaseSampler):
             candidates = np.vstack([design[len(observations.seen):], design])
         elif self._random_every > 0 and trial.number % self._random_every == self._random_every - 1:
             candidates = self._codec.sample(self._n_random, rng)
-        elif self._gp is not None and len(observations.y) <= self._gp_max_points:
+        elif self._gp_allowed and len(observations.y) <= self._gp_max_points:
+            self._gp = self._gp or GPProposer(self._codec, self._seed)
             candidates = self._gp.propose(observations)[None, :]
         else:
             forest = self._fit(study.study_name, observations, rng)
