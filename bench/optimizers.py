@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import optuna
 
 from bench.functions import FUNCTIONS, TestFunction
-from hpo import space
 from hpo.optimizer import SmacSampler
 from hpo.samplers import build_sampler
 
@@ -57,8 +56,7 @@ class Run:
 def _sampler(fn: TestFunction, method: str, seed: int) -> optuna.samplers.BaseSampler:
     """hpo's sampler of ``method``; a variant ``smac-MODEL`` forces the model of smac's portfolio."""
     if method in VARIANTS:
-        return SmacSampler(fn.config_space(seed=seed), seed=seed, steps=space.grid_steps(fn.params),
-                           model=method.split("-")[1])
+        return SmacSampler(fn.params, seed=seed, model=method.split("-")[1])
     return build_sampler(method, fn.params, seed=seed)
 
 

@@ -21,16 +21,15 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from ConfigSpace import ConfigurationSpace
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
-from scipy.stats import qmc
 
 from hpo.codec import Codec, keys
 from hpo.forest import Forest, search
 from hpo.gp import GPProposer
 from hpo.history import History, Observations
+from hpo.scenario import Param
 
 if TYPE_CHECKING:
     from optuna.study import Study
@@ -40,20 +39,19 @@ _GP_INITIAL = 10
 
 
 class SmacSampler(BaseSampler):
-    """SMAC-style Bayesian optimization over a ConfigSpace space.
+    """SMAC-style Bayesian optimization over a scenario's parameters.
 
     Each trial gets one configuration from the study's history: a scrambled Sobol design
     until ``n_initial`` trials have a cost (crashes count: they cost the worst cost seen), then
     the configuration of highest expected improvement under the model (and, if
     ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
     configuration already in the history (whatever its outcome) or running is never proposed
-    while an unseen one can be found. Parameters must be suggested under the space's names and
-    values; a name outside the space is sampled at random.
+    while an unseen one can be found. Parameters must be suggested under their names and
+    values (as :func:`hpo.space.suggest` does); a name outside ``params`` is sampled at random.
 
     Args:
-        config_space: the search space.
-        steps: grid step of numeric parameters by name, so proposals are made, and told
-            apart, on the grid.
+        params: the parameters, in definition order (conditions, steps and log scales included);
+            integers and stepped floats are proposed, and told apart, on their grid.
         seed: with a seed, one worker repeats its sequence exactly.
         direction: ``minimize`` or ``maximize``, the objective's direction.
         n_initial: size of the initial design (default: searched parameters + 1, at least 10
@@ -73,9 +71,8 @@ class SmacSampler(BaseSampler):
 
     def __init__(
         self,
-        config_space: ConfigurationSpace,
+        params: Mapping[str, Param],
         *,
-        steps: Mapping[str, float] | None = None,
         seed: int | None = None,
         direction: str = "minimize",
         n_initial: int | None = None,
@@ -92,9 +89,9 @@ class SmacSampler(BaseSampler):
             raise ValueError(f"direction must be 'minimize' or 'maximize', not {direction!r}")
         if model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, not {model!r}")
-        self._codec = Codec(config_space, steps)
+        self._codec = Codec(params)
         self._seed = seed
-        self._searched = searched = int((~self._codec.constant).sum())
+        self._searched = searched = self._codec.dim
         self._gp_allowed = model == "gp" or (model == "auto" and not self._codec.conditional
                                               and 0 < searched <= gp_max_dims)
         default_initial = max(searched + 1, _GP_INITIAL if self._gp_allowed else 0)
@@ -162,7 +159,7 @@ class SmacSampler(BaseSampler):
 
     def _propose(self, study: Study, trial: FrozenTrial) -> dict[str, Any]:
         if self._searched == 0:
-            return self._codec.decode(self._codec.canonical(np.zeros((1, self._codec.dim)))[0])
+            return self._codec.decode(np.zeros(0))
         rng = np.random.default_rng(None if self._seed is None else [self._seed, trial.number])
         mine = {number: p for (name, number), p in self._proposals.items() if name == study.study_name}
         observations = self._history.read(study, trial.number, mine)
@@ -193,6 +190,8 @@ class SmacSampler(BaseSampler):
         return candidates[0]
 
     def _initial_design(self, n: int) -> np.ndarray:
+        from scipy.stats import qmc  # imported when first needed: scipy.stats is slow to import
+
         sobol = qmc.Sobol(self._codec.dim, scramble=True, seed=self._seed)
         return self._codec.from_unit(sobol.random_base2(max(1, math.ceil(math.log2(n)))))
 

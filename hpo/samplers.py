@@ -11,7 +11,6 @@ from collections.abc import Mapping
 
 import optuna
 
-from hpo import space
 from hpo.scenario import Param, Scenario
 
 
@@ -39,8 +38,7 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
     if method == "smac":
         from hpo.optimizer import SmacSampler
 
-        return SmacSampler(space.config_space(parameters, seed=seed), seed=seed,
-                           steps=space.grid_steps(parameters), direction=direction)
+        return SmacSampler(parameters, seed=seed, direction=direction)
     return optuna.samplers.RandomSampler(seed=seed)
 
 

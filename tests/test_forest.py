@@ -10,19 +10,12 @@ from typing import Any
 import numpy as np
 import optuna
 import pytest
-from ConfigSpace import (
-    CategoricalHyperparameter,
-    ConfigurationSpace,
-    Constant,
-    EqualsCondition,
-    UniformFloatHyperparameter,
-    UniformIntegerHyperparameter,
-)
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from hpo.codec import Codec
 from hpo.optimizer import SmacSampler
+from hpo.scenario import Param
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -36,31 +29,28 @@ def branin(x1: float, x2: float) -> float:
 BRANIN_MIN = 0.397887357729739
 
 
-def branin_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    cs.add([UniformFloatHyperparameter("x1", -5.0, 10.0), UniformFloatHyperparameter("x2", 0.0, 15.0)])
-    return cs
+Space = dict[str, Param]
+
+
+def branin_space() -> Space:
+    return {"x1": Param(type="float", low=-5.0, high=10.0), "x2": Param(type="float", low=0.0, high=15.0)}
 
 
 def branin_objective(trial: optuna.Trial) -> float:
     return branin(trial.suggest_float("x1", -5.0, 10.0), trial.suggest_float("x2", 0.0, 15.0))
 
 
-def mixed_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    cs.add(
-        [
-            UniformFloatHyperparameter("dropout", 0.0, 0.8),
-            UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True),
-            UniformIntegerHyperparameter("layers", 1, 6),
-            UniformIntegerHyperparameter("units", 8, 512, log=True),
-            CategoricalHyperparameter("act", ["relu", "tanh"]),
-            CategoricalHyperparameter("batch", [16, 32, 64]),
-            CategoricalHyperparameter("bias", [True, False]),
-            Constant("epochs", 10),
-        ]
-    )
-    return cs
+def mixed_space() -> Space:
+    return {
+        "dropout": Param(type="float", low=0.0, high=0.8),
+        "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+        "layers": Param(type="int", low=1, high=6),
+        "units": Param(type="int", low=8, high=512, log=True),
+        "act": Param(type="categorical", choices=("relu", "tanh")),
+        "batch": Param(type="categorical", choices=(16, 32, 64)),
+        "bias": Param(type="categorical", choices=(True, False)),
+        "epochs": Param(type="constant", value=10),
+    }
 
 
 def mixed_objective(trial: optuna.Trial) -> float:
@@ -84,13 +74,12 @@ def mixed_objective(trial: optuna.Trial) -> float:
     )
 
 
-def conditional_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    optimizer = CategoricalHyperparameter("optimizer", ["sgd", "adam"])
-    momentum = UniformFloatHyperparameter("momentum", 0.0, 0.99)
-    cs.add([optimizer, momentum, UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True)])
-    cs.add(EqualsCondition(momentum, optimizer, "sgd"))
-    return cs
+def conditional_space() -> Space:
+    return {
+        "optimizer": Param(type="categorical", choices=("sgd", "adam")),
+        "momentum": Param(type="float", low=0.0, high=0.99, condition={"optimizer": "sgd"}),
+        "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+    }
 
 
 def conditional_objective(trial: optuna.Trial) -> float:
@@ -101,7 +90,7 @@ def conditional_objective(trial: optuna.Trial) -> float:
     return (math.log10(trial.suggest_float("lr", 1e-4, 1.0, log=True)) + 1.5) ** 2 + penalty
 
 
-def forest(space: ConfigurationSpace, **options: Any) -> SmacSampler:
+def forest(space: Space, **options: Any) -> SmacSampler:
     """hpo's optimizer with the random forest as its model."""
     return SmacSampler(space, model="forest", **options)
 
@@ -197,9 +186,8 @@ def test_same_seed_gives_the_same_sequence() -> None:
 
 
 def test_no_duplicates_on_a_small_discrete_space() -> None:
-    cs = ConfigurationSpace()
-    cs.add([UniformIntegerHyperparameter("a", 0, 4), UniformIntegerHyperparameter("b", 1, 5)])
-    cs.add(CategoricalHyperparameter("c", ["x", "y", "z", "w"]))
+    cs = {"a": Param(type="int", low=0, high=4), "b": Param(type="int", low=1, high=5),
+          "c": Param(type="categorical", choices=("x", "y", "z", "w"))}
 
     def objective(trial: optuna.Trial) -> float:
         a, b = trial.suggest_int("a", 0, 4), trial.suggest_int("b", 1, 5)
@@ -210,14 +198,13 @@ def test_no_duplicates_on_a_small_discrete_space() -> None:
 
 
 def test_stepped_parameters_stay_on_their_grid_without_duplicates() -> None:
-    cs = ConfigurationSpace()
-    cs.add([UniformIntegerHyperparameter("a", 0, 9), UniformFloatHyperparameter("b", 0.0, 1.0)])
+    cs = {"a": Param(type="int", low=0, high=9, step=3), "b": Param(type="float", low=0.0, high=1.0, step=0.1)}
 
     def objective(trial: optuna.Trial) -> float:
         a, b = trial.suggest_int("a", 0, 9, step=3), trial.suggest_float("b", 0.0, 1.0, step=0.1)
         return (a - 5) ** 2 + 10 * (b - 0.55) ** 2
 
-    study = run(forest(cs, seed=0, steps={"a": 3, "b": 0.1}), objective, 44)
+    study = run(forest(cs, seed=0), objective, 44)
     grid = {(a, round(b, 9)) for a in (0, 3, 6, 9) for b in np.arange(11) / 10}
     points = [(t.params["a"], round(t.params["b"], 9)) for t in study.trials]
     assert set(points) == grid

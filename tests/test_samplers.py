@@ -10,7 +10,6 @@ from typing import Any
 
 import optuna
 import pytest
-from ConfigSpace import ConfigurationSpace
 from optuna.testing.pytest_samplers import BasicSamplerTestCase, SingleOnlySamplerTestCase
 from optuna.trial import TrialState
 
@@ -39,8 +38,8 @@ CONDITIONAL_PARAMS = {
 }
 SMAC_SAMPLERS: list[Callable[[], optuna.samplers.BaseSampler]] = [
     lambda: build_sampler("smac", KIT_PARAMS, seed=0),
-    lambda: SmacSampler(space.config_space(KIT_PARAMS), seed=0, n_initial=2, model="forest"),
-    lambda: SmacSampler(ConfigurationSpace(), seed=0),
+    lambda: SmacSampler(KIT_PARAMS, seed=0, n_initial=2, model="forest"),
+    lambda: SmacSampler({}, seed=0),
 ]
 
 
@@ -136,7 +135,7 @@ def test_lost_and_interrupted_trials_are_not_crashes_but_are_seen() -> None:
 
 def test_stopped_trial_counts_with_its_last_intermediate_value_and_pruned_trials_at_a_budget() -> None:
     params = {"x": Param(type="float", low=0.0, high=1.0)}
-    sampler = SmacSampler(space.config_space(params), seed=0, n_initial=2)
+    sampler = SmacSampler(params, seed=0, n_initial=2)
     study = optuna.create_study(sampler=sampler)
     distributions = space.distributions(params)
     for x, curve, state, outcome in [
