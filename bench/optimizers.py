@@ -1,16 +1,20 @@
-"""Side-by-side benchmark: hpo's ForestSampler, SMAC3's HPO facade, Optuna TPE and random search.
+"""Side-by-side benchmark of search methods: hpo's smac, tpe and gp, SMAC3's HPO facade, random search.
 
 Run from the repository root::
 
-    python -m bench.optimizers                       # full run: 6 functions, 5 seeds, 100 trials
-    python -m bench.optimizers --quick               # 3 seeds, 50 trials, a smoke test
-    python -m bench.optimizers --functions branin,mixed --seeds 10
-    python -m bench.optimizers --methods SMAC3,TPE,random --save base.json   # baselines once,
-    python -m bench.optimizers --methods hpo --load base.json                # then hpo beside them
+    python -m bench.optimizers                          # every function, 10 seeds, 100 trials
+    python -m bench.optimizers --quick                  # 3 seeds, 50 trials, a smoke test
+    python -m bench.optimizers --functions branin,mixed --seeds 5
+    python -m bench.optimizers --methods SMAC3,tpe,gp,random --save bench/baselines.jsonl  # once (slow)
+    python -m bench.optimizers --methods smac --load bench/baselines.jsonl             # then smac beside them
 
-Prints the median regret (best value found minus the known optimum; for a real tuning
-task, minus the best value any run found) at 50 and 100 trials, the ratios hpo/SMAC3 and
-hpo/TPE, and ForestSampler's mean ask+tell time with the study on SQLite.
+hpo's methods are built exactly as a scenario's ``search.method`` builds them
+(:func:`hpo.samplers.build_sampler`) and suggest through :func:`hpo.space.suggest`, as the engine
+does; SMAC3 runs its HPO facade (random forest) on the same ConfigSpace space. Prints the median
+regret (best value found minus the known optimum; for a real tuning task, minus the best value
+any run found) at 50 and 100 trials, and the ratio of smac to the best of the anchors (tpe, gp,
+SMAC3): the goal is a ratio <= 1 everywhere. ``--save`` keeps each run's best value at each
+budget and its wall time, which is all the table needs.
 """
 from __future__ import annotations
 
@@ -26,32 +30,40 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
-import numpy as np
 import optuna
 
 from bench.functions import FUNCTIONS, TestFunction
-from hpo.forest import ForestSampler
+from hpo.optimizer import SmacSampler
+from hpo.samplers import build_sampler
 
-METHODS = ("hpo", "SMAC3", "TPE", "random")
+METHODS = ("smac", "tpe", "gp", "SMAC3", "random")
+VARIANTS = ("smac-forest", "smac-gp")
+ANCHORS = ("tpe", "gp", "SMAC3")
 
 
 @dataclass(frozen=True)
 class Run:
-    """One optimizer run: the objective values in trial order and the wall time."""
+    """One optimizer run: the best value found after each budget, and the run's wall time."""
 
     method: str
     function: str
     seed: int
-    values: tuple[float, ...]
+    best: dict[int, float]
     seconds: float
 
 
-def _optuna_values(fn: TestFunction, sampler: optuna.samplers.BaseSampler, n_trials: int) -> list[float]:
-    study = optuna.create_study(sampler=sampler)
-    study.optimize(lambda trial: fn.objective(fn.suggest(trial)), n_trials=n_trials)
-    return [t.value for t in study.trials]
+def _sampler(fn: TestFunction, method: str, seed: int) -> optuna.samplers.BaseSampler:
+    """hpo's sampler of ``method``; a variant ``smac-MODEL`` forces the model of smac's portfolio."""
+    if method in VARIANTS:
+        return SmacSampler(fn.params, seed=seed, model=method.split("-")[1])
+    return build_sampler(method, fn.params, seed=seed)
+
+
+def _optuna_values(fn: TestFunction, method: str, n_trials: int, seed: int) -> list[float]:
+    study = optuna.create_study(sampler=_sampler(fn, method, seed))
+    study.optimize(fn, n_trials=n_trials)
+    return [t.value if t.value is not None else float("inf") for t in study.trials]
 
 
 def _smac_values(fn: TestFunction, n_trials: int, seed: int) -> list[float]:
@@ -61,10 +73,7 @@ def _smac_values(fn: TestFunction, n_trials: int, seed: int) -> list[float]:
     values: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         scenario = Scenario(
-            fn.config_space(seed=seed),
-            deterministic=True,
-            n_trials=n_trials,
-            seed=seed,
+            fn.config_space(seed=seed), deterministic=True, n_trials=n_trials, seed=seed,
             output_directory=os.path.join(folder, "smac"),
         )
         smac = HyperparameterOptimizationFacade(
@@ -77,25 +86,17 @@ def _smac_values(fn: TestFunction, n_trials: int, seed: int) -> list[float]:
     return values
 
 
-def _samplers(fn: TestFunction, seed: int) -> dict[str, Callable[[], optuna.samplers.BaseSampler]]:
-    return {
-        "hpo": lambda: ForestSampler(fn.config_space(), seed=seed),
-        "TPE": lambda: optuna.samplers.TPESampler(seed=seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-    }
-
-
-def run_one(task: tuple[str, str, int, int]) -> Run:
-    """Run ``method`` on the named function for ``n_trials`` trials with ``seed``."""
-    method, name, seed, n_trials = task
+def run_one(task: tuple[str, str, int, tuple[int, ...]]) -> Run:
+    """Run ``method`` on the named function with ``seed`` for the largest of ``budgets`` trials."""
+    method, name, seed, budgets = task
     _quiet()
     fn = FUNCTIONS[name]
     start = time.perf_counter()
     if method == "SMAC3":
-        values = _smac_values(fn, n_trials, seed)
+        values = _smac_values(fn, max(budgets), seed)
     else:
-        values = _optuna_values(fn, _samplers(fn, seed)[method](), n_trials)
-    return Run(method, name, seed, tuple(values), time.perf_counter() - start)
+        values = _optuna_values(fn, method, max(budgets), seed)
+    return Run(method, name, seed, {b: min(values[:b]) for b in budgets}, time.perf_counter() - start)
 
 
 def _quiet() -> None:
@@ -104,49 +105,19 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def time_ask_tell(n_finished: int, n_measured: int = 20, seed: int = 0) -> tuple[float, float]:
-    """Mean seconds per ask+tell on an SQLite study pre-filled with ``n_finished`` trials:
-    (ForestSampler, RandomSampler) on Hartmann-6, after three warm-up trials."""
-    _quiet()
-    fn = FUNCTIONS["hartmann6"]
-    rng = np.random.default_rng(seed)
-    cs = fn.config_space(seed=seed)
-    distributions = {p.name: optuna.distributions.FloatDistribution(p.low, p.high) for p in fn.params}
-    prefill = []
-    for config in cs.sample_configuration(n_finished):
-        params = {k: float(v) for k, v in dict(config).items()}
-        value = fn.objective(params) + 0.01 * rng.standard_normal()
-        prefill.append(optuna.trial.create_trial(params=params, distributions=distributions, value=value))
-    means = []
-    with tempfile.TemporaryDirectory() as folder:
-        for i, sampler in enumerate((ForestSampler(cs, seed=seed), optuna.samplers.RandomSampler(seed=seed))):
-            storage = f"sqlite:///{os.path.join(folder, f'study{i}.db')}"
-            study = optuna.create_study(storage=storage, sampler=sampler)
-            study.add_trials(prefill)
-            for measured in (False, True):
-                start = time.perf_counter()
-                for _ in range(n_measured if measured else 3):
-                    trial = study.ask()
-                    study.tell(trial, fn.objective(fn.suggest(trial)))
-            means.append((time.perf_counter() - start) / n_measured)
-    return means[0], means[1]
-
-
-def _regrets(runs: list[Run], n_trials: int) -> dict[tuple[str, str], list[float]]:
-    """Regret of each run after ``n_trials`` trials, grouped by (function, method)."""
+def regrets(runs: list[Run], budget: int) -> dict[tuple[str, str], list[float]]:
+    """Regret of each run after ``budget`` trials, grouped by (function, method); a real task's
+    reference is the best value any run found at any budget."""
     reference: dict[str, float] = {}
     for run in runs:
         optimum = FUNCTIONS[run.function].optimum
-        found = min(run.values)
-        if optimum is None:
-            reference[run.function] = min(reference.get(run.function, found), found)
-        else:
-            reference[run.function] = optimum
+        found = min(run.best.values())
+        reference[run.function] = min(reference.get(run.function, found), found) if optimum is None else optimum
     grouped: dict[tuple[str, str], list[float]] = {}
     for run in runs:
-        if len(run.values) >= n_trials:
-            regret = min(run.values[:n_trials]) - reference[run.function]
-            grouped.setdefault((run.function, run.method), []).append(max(regret, 0.0))
+        if budget in run.best:
+            regret = max(run.best[budget] - reference[run.function], 0.0)
+            grouped.setdefault((run.function, run.method), []).append(regret)
     return grouped
 
 
@@ -154,76 +125,86 @@ def _ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None:
         return "-"
     if b == 0:
-        return "-" if a == 0 else "inf"
+        return "1.00" if a == 0 else "inf"
     return f"{a / b:.2f}"
 
 
 def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
-    """The table of median regrets, ratios, best raw values of real tasks and run times."""
-    lines = [
-        f"{'function':<12} {'trials':>6} " + " ".join(f"{m:>9}" for m in METHODS) + f" {'hpo/SMAC3':>9} {'hpo/TPE':>8}"
-    ]
+    """The table of median regrets and smac's ratio to the best anchor, then mean run times."""
+    methods = [m for m in METHODS + VARIANTS if any(r.method == m for r in runs)]
+    lines = [f"{'function':<13} {'trials':>6} " + " ".join(f"{m:>10}" for m in methods) + f" {'smac/best':>9} {'best':>6}"]
     for name in functions:
         for budget in budgets:
-            grouped = _regrets(runs, budget)
-            med = {m: statistics.median(grouped[(name, m)]) for m in METHODS if (name, m) in grouped}
-            cells = " ".join(f"{med[m]:>9.4f}" if m in med else f"{'-':>9}" for m in METHODS)
-            ratios = f"{_ratio(med.get('hpo'), med.get('SMAC3')):>9} {_ratio(med.get('hpo'), med.get('TPE')):>8}"
-            lines.append(f"{name:<12} {budget:>6} {cells} {ratios}")
-    for name in functions:
-        if FUNCTIONS[name].optimum is None:
-            lines.append(f"\n{name}: median best value found (regret above is vs the best any run found)")
-            for budget in budgets:
-                best = {
-                    m: statistics.median(min(r.values[:budget]) for r in runs if r.function == name and r.method == m)
-                    for m in METHODS
-                    if any(r.function == name and r.method == m for r in runs)
-                }
-                lines.append(f"  {budget:>4} trials: " + ", ".join(f"{m} {v:.4f}" for m, v in best.items()))
+            grouped = regrets(runs, budget)
+            med = {m: statistics.median(grouped[(name, m)]) for m in methods if (name, m) in grouped}
+            cells = " ".join(f"{med[m]:>10.4g}" if m in med else f"{'-':>10}" for m in methods)
+            anchors = {m: med[m] for m in ANCHORS if m in med}
+            best = min(anchors, key=anchors.__getitem__) if anchors else None
+            ratio = _ratio(med.get("smac"), anchors[best]) if best else "-"
+            lines.append(f"{name:<13} {budget:>6} {cells} {ratio:>9} {best or '-':>6}")
     lines.append("\nmean wall time per run (s): " + ", ".join(
-        f"{m} {statistics.mean(r.seconds for r in runs if r.method == m):.1f}" for m in METHODS if any(r.method == m for r in runs)
-    ))
+        f"{m} {statistics.mean(r.seconds for r in runs if r.method == m):.1f}" for m in methods))
     return "\n".join(lines)
+
+
+def save(run: Run, path: str) -> None:
+    """Append ``run`` to ``path`` (one JSON object a line)."""
+    with open(path, "a") as out:
+        out.write(json.dumps(dataclasses.asdict(run)) + "\n")
+
+
+def load(path: str) -> list[Run]:
+    """The runs saved at ``path`` (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as saved:
+        rows = [json.loads(line) for line in saved if line.strip()]
+    return [Run(**{**r, "best": {int(b): v for b, v in r["best"].items()}}) for r in rows]
+
+
+def _seeds(text: str) -> range:
+    """``N`` (seeds 0 to N-1) or ``A:B`` (seeds A to B-1)."""
+    first, _, last = text.rpartition(":")
+    return range(int(first or 0), int(last))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run every (method, function, seed) on ``--jobs`` processes, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5, help="seeds per method and function (default 5)")
-    parser.add_argument("--functions", default=",".join(FUNCTIONS), help="comma-separated names")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials, timing at 100 trials only")
+    parser.add_argument("--seeds", type=_seeds, default=range(10), help="N seeds (0 to N-1, default 10) or A:B")
+    parser.add_argument("--functions", default=",".join(FUNCTIONS), help="comma-separated names or tags")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS + VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    parser.add_argument("--save", metavar="FILE", help="write this run's results to FILE (JSON)")
+    parser.add_argument("--save", metavar="FILE", help="append each run to FILE (JSON lines) as it ends; runs "
+                        "already there are not run again")
     parser.add_argument("--load", metavar="FILE", help="report these saved runs beside this run's")
     args = parser.parse_args(argv)
-    functions = [f for f in args.functions.split(",") if f]
+    functions = [n for f in args.functions.split(",") if f
+                 for n in ([f] if f in FUNCTIONS else [n for n, fn in FUNCTIONS.items() if f in fn.tags])]
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [f for f in functions if f not in FUNCTIONS] + [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown function or method: {', '.join(unknown)}")
-    seeds = 3 if args.quick else args.seeds
-    n_trials = 50 if args.quick else 100
+    unknown = [m for m in methods if m not in METHODS + VARIANTS]
+    if unknown or not functions:
+        parser.error(f"unknown method {unknown[0]}" if unknown else "no function matches --functions")
+    seeds = range(3) if args.quick else args.seeds
     budgets = [50] if args.quick else [50, 100]
-    tasks = [(m, f, s, n_trials) for m in methods for f in functions for s in range(seeds)]
-    tasks.sort(key=lambda t: (t[0] != "SMAC3", FUNCTIONS[t[1]].optimum is not None))
+    done = [r for r in load(args.save) if r.function in functions and r.method in methods and r.seed in seeds
+            and all(b in r.best for b in budgets)] if args.save else []
+    finished = {(r.method, r.function, r.seed) for r in done}
+    tasks = [(m, f, s, tuple(budgets)) for s in seeds for f in functions for m in methods if (m, f, s) not in finished]
+    tasks.sort(key=lambda t: (t[2], FUNCTIONS[t[1]].optimum is None))
     start = time.perf_counter()
+    runs = list(done)
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        runs = list(pool.imap_unordered(run_one, tasks))
-    print(f"{len(runs)} runs, {n_trials} trials each, {seeds} seeds, in {time.perf_counter() - start:.0f} s\n")
-    if args.save:
-        with open(args.save, "w") as out:
-            json.dump([dataclasses.asdict(r) for r in runs], out)
+        for run in pool.imap_unordered(run_one, tasks):
+            runs.append(run)
+            if args.save:
+                save(run, args.save)
+    print(f"{len(tasks)} runs, {max(budgets)} trials each, seeds {seeds.start}-{seeds.stop - 1}, "
+          f"in {time.perf_counter() - start:.0f} s\n")
     if args.load:
-        with open(args.load) as saved:
-            loaded = [Run(**{**r, "values": tuple(r["values"])}) for r in json.load(saved)]
-        runs += [r for r in loaded if r.method not in methods and r.function in functions and r.seed < seeds]
+        runs += [r for r in load(args.load) if r.method not in methods and r.function in functions and r.seed in seeds]
     print(report(runs, budgets, functions))
-    if "hpo" in methods:
-        print("\nForestSampler ask+tell per trial, SQLite study (RandomSampler's in brackets):")
-        for n in [100] if args.quick else [100, 1000]:
-            forest, rand = time_ask_tell(n)
-            print(f"  {n:>5} finished trials: {forest * 1e3:6.1f} ms  ({rand * 1e3:.1f} ms)")
     return 0
 
 

@@ -3,30 +3,42 @@
 Design methods (monte_carlo, csv, grid, sobol, lhs) enqueue their points in the study
 (see :mod:`hpo.designs`); their sampler only fills in what a point leaves open. Model-based
 methods propose each trial from the whole history in the store: Optuna's TPE and GP, and
-hpo's random-forest optimizer for ``smac``.
+hpo's SMAC-style optimizer for ``smac``.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import optuna
 
-from hpo import space
-from hpo.scenario import Scenario
+from hpo.scenario import Param, Scenario
 
 
 def make_sampler(scenario: Scenario, seed: int) -> optuna.samplers.BaseSampler:
     """The sampler of ``search.method``, seeded with this worker's ``seed``."""
-    method = scenario.search.method
+    return build_sampler(scenario.search.method, scenario.parameters, seed=seed,
+                         direction=scenario.objective.direction)
+
+
+def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | None,
+                  direction: str = "minimize") -> optuna.samplers.BaseSampler:
+    """The sampler of a search method over ``parameters``.
+
+    Args:
+        method: a search method name (``tpe``, ``gp``, ``smac``; any other gets random sampling).
+        parameters: the scenario's parameters, in definition order.
+        seed: the worker's seed (``None``: fresh randomness).
+        direction: ``minimize`` or ``maximize``, the objective's direction.
+    """
     if method == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           warn_independent_sampling=False)
     if method == "gp":
         return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
     if method == "smac":
-        from hpo.forest import ForestSampler
+        from hpo.optimizer import SmacSampler
 
-        return ForestSampler(space.config_space(scenario.parameters, seed=seed), seed=seed,
-                             steps=space.grid_steps(scenario.parameters),
-                             direction=scenario.objective.direction)
+        return SmacSampler(parameters, seed=seed, direction=direction)
     return optuna.samplers.RandomSampler(seed=seed)
 
 

@@ -64,8 +64,13 @@ class Param(_Frozen):
         if self.type == "categorical":
             if not self.choices:
                 raise ValueError("choices: a categorical parameter needs a non-empty list")
-            if len(set(map(repr, self.choices))) != len(self.choices):
-                raise ValueError("choices: values must be unique")
+            twins = [(a, b) for i, b in enumerate(self.choices) for a in self.choices[:i] if a == b]
+            if twins:
+                a, b = twins[0]
+                if repr(a) == repr(b):
+                    raise ValueError("choices: values must be unique")
+                raise ValueError(f"choices: {_yaml(a)} and {_yaml(b)} compare equal, so a trial's value "
+                                 "cannot tell them apart; keep one")
         elif self.choices is not None:
             raise ValueError(f"choices: only a categorical parameter has choices, not {self.type}")
         if self.type == "constant" and self.value is None:
@@ -78,6 +83,11 @@ class Param(_Frozen):
     def is_normal(self) -> bool:
         """Whether values are drawn from a clipped normal distribution (designs only)."""
         return self.distribution == "normal"
+
+
+def _yaml(value: Scalar | None) -> str:
+    """``value`` as YAML writes it (``true``, ``1``, ``1.0``, ``'a'``)."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
 def _only(param: Param, what: str, allowed: bool, fields: tuple[str, ...],

@@ -136,7 +136,8 @@ def config_space(params: Params, seed: int | None = None) -> Any:
     """The ConfigSpace space of ``params``, conditions included.
 
     A stepped parameter is its plain range here; samplers snap values onto the step grid
-    (its Optuna distribution), so models see one smooth ordered dimension.
+    (its Optuna distribution), so models see one smooth ordered dimension. A range with
+    ``low == high`` is a constant (ConfigSpace has no empty ranges).
     """
     from ConfigSpace import (
         CategoricalHyperparameter, ConfigurationSpace, Constant, EqualsCondition, InCondition,
@@ -148,6 +149,8 @@ def config_space(params: Params, seed: int | None = None) -> Any:
     for name, p in params.items():
         if p.type == "constant":
             hp: Any = Constant(name, p.value)
+        elif p.type in ("int", "float") and p.low == p.high:
+            hp = Constant(name, int(p.low) if p.type == "int" else float(p.low))
         elif p.type == "categorical":
             hp = CategoricalHyperparameter(name, list(p.choices or ()))
         elif p.is_normal and p.type == "int":

@@ -1,4 +1,5 @@
-"""Contract tests for hpo.forest.ForestSampler (random-forest Bayesian optimization)."""
+"""hpo's model-based optimizer: the encoding (hpo.codec), the forest (hpo.forest) and the
+SmacSampler that proposes from them and from the GP (hpo.optimizer)."""
 from __future__ import annotations
 
 import math
@@ -9,18 +10,12 @@ from typing import Any
 import numpy as np
 import optuna
 import pytest
-from ConfigSpace import (
-    CategoricalHyperparameter,
-    ConfigurationSpace,
-    Constant,
-    EqualsCondition,
-    UniformFloatHyperparameter,
-    UniformIntegerHyperparameter,
-)
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
-from hpo.forest import ForestSampler, _Codec
+from hpo.codec import Codec
+from hpo.optimizer import SmacSampler
+from hpo.scenario import Param
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -34,31 +29,28 @@ def branin(x1: float, x2: float) -> float:
 BRANIN_MIN = 0.397887357729739
 
 
-def branin_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    cs.add([UniformFloatHyperparameter("x1", -5.0, 10.0), UniformFloatHyperparameter("x2", 0.0, 15.0)])
-    return cs
+Space = dict[str, Param]
+
+
+def branin_space() -> Space:
+    return {"x1": Param(type="float", low=-5.0, high=10.0), "x2": Param(type="float", low=0.0, high=15.0)}
 
 
 def branin_objective(trial: optuna.Trial) -> float:
     return branin(trial.suggest_float("x1", -5.0, 10.0), trial.suggest_float("x2", 0.0, 15.0))
 
 
-def mixed_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    cs.add(
-        [
-            UniformFloatHyperparameter("dropout", 0.0, 0.8),
-            UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True),
-            UniformIntegerHyperparameter("layers", 1, 6),
-            UniformIntegerHyperparameter("units", 8, 512, log=True),
-            CategoricalHyperparameter("act", ["relu", "tanh"]),
-            CategoricalHyperparameter("batch", [16, 32, 64]),
-            CategoricalHyperparameter("bias", [True, False]),
-            Constant("epochs", 10),
-        ]
-    )
-    return cs
+def mixed_space() -> Space:
+    return {
+        "dropout": Param(type="float", low=0.0, high=0.8),
+        "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+        "layers": Param(type="int", low=1, high=6),
+        "units": Param(type="int", low=8, high=512, log=True),
+        "act": Param(type="categorical", choices=("relu", "tanh")),
+        "batch": Param(type="categorical", choices=(16, 32, 64)),
+        "bias": Param(type="categorical", choices=(True, False)),
+        "epochs": Param(type="constant", value=10),
+    }
 
 
 def mixed_objective(trial: optuna.Trial) -> float:
@@ -82,13 +74,12 @@ def mixed_objective(trial: optuna.Trial) -> float:
     )
 
 
-def conditional_space() -> ConfigurationSpace:
-    cs = ConfigurationSpace()
-    optimizer = CategoricalHyperparameter("optimizer", ["sgd", "adam"])
-    momentum = UniformFloatHyperparameter("momentum", 0.0, 0.99)
-    cs.add([optimizer, momentum, UniformFloatHyperparameter("lr", 1e-4, 1.0, log=True)])
-    cs.add(EqualsCondition(momentum, optimizer, "sgd"))
-    return cs
+def conditional_space() -> Space:
+    return {
+        "optimizer": Param(type="categorical", choices=("sgd", "adam")),
+        "momentum": Param(type="float", low=0.0, high=0.99, condition={"optimizer": "sgd"}),
+        "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+    }
 
 
 def conditional_objective(trial: optuna.Trial) -> float:
@@ -99,14 +90,19 @@ def conditional_objective(trial: optuna.Trial) -> float:
     return (math.log10(trial.suggest_float("lr", 1e-4, 1.0, log=True)) + 1.5) ** 2 + penalty
 
 
-def run(sampler: ForestSampler, objective: Any, n_trials: int, study: optuna.Study | None = None) -> optuna.Study:
+def forest(space: Space, **options: Any) -> SmacSampler:
+    """hpo's optimizer with the random forest as its model."""
+    return SmacSampler(space, model="forest", **options)
+
+
+def run(sampler: optuna.samplers.BaseSampler, objective: Any, n_trials: int, study: optuna.Study | None = None) -> optuna.Study:
     study = study or optuna.create_study(sampler=sampler)
     study.optimize(objective, n_trials=n_trials)
     return study
 
 
 def test_encodes_every_parameter_type() -> None:
-    codec = _Codec(mixed_space())
+    codec = Codec(mixed_space())
     params = {"dropout": 0.25, "lr": 0.003, "layers": 4, "units": 100, "act": "tanh", "batch": 64, "bias": False}
     row = codec.encode([params])[0]
     assert np.all((row >= 0) & (row <= 2))
@@ -114,7 +110,7 @@ def test_encodes_every_parameter_type() -> None:
 
 
 def test_suggests_legal_values_of_every_type() -> None:
-    study = run(ForestSampler(mixed_space(), seed=0), mixed_objective, 25)
+    study = run(forest(mixed_space(), seed=0), mixed_objective, 25)
     for trial in study.trials:
         p = trial.params
         assert 0.0 <= p["dropout"] <= 0.8 and 1e-4 <= p["lr"] <= 1.0
@@ -125,18 +121,19 @@ def test_suggests_legal_values_of_every_type() -> None:
 
 
 def test_conditional_parameters_are_left_out_when_inactive() -> None:
-    codec = _Codec(conditional_space())
+    codec = Codec(conditional_space())
     rows = codec.encode([{"optimizer": "adam", "lr": 0.01}, {"optimizer": "sgd", "momentum": 0.5, "lr": 0.01}])
     assert "momentum" not in codec.decode(rows[0]) and codec.decode(rows[1])["momentum"] == pytest.approx(0.5)
     assert "momentum" not in codec.decode(codec.canonical(np.where(np.isnan(rows), 0.3, rows))[0])
-    study = run(ForestSampler(conditional_space(), seed=1), conditional_objective, 40)
-    assert {t.params["optimizer"] for t in study.trials} == {"sgd", "adam"}
-    assert all(("momentum" in t.params) == (t.params["optimizer"] == "sgd") for t in study.trials)
-    assert study.best_value < 0.05
+    studies = [run(forest(conditional_space(), seed=seed), conditional_objective, 40) for seed in range(3)]
+    for study in studies:
+        assert {t.params["optimizer"] for t in study.trials} == {"sgd", "adam"}
+        assert all(("momentum" in t.params) == (t.params["optimizer"] == "sgd") for t in study.trials)
+    assert statistics.median(study.best_value for study in studies) < 0.05
 
 
 def test_failed_trials_steer_away_from_their_region() -> None:
-    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=3))
+    study = optuna.create_study(sampler=forest(branin_space(), seed=3))
     for _ in range(40):
         trial = study.ask()
         x1, x2 = trial.suggest_float("x1", -5.0, 10.0), trial.suggest_float("x2", 0.0, 15.0)
@@ -150,26 +147,24 @@ def test_failed_trials_steer_away_from_their_region() -> None:
     assert study.best_value < BRANIN_MIN + 0.1
 
 
-def test_pruned_trial_counts_with_its_last_intermediate_value() -> None:
-    sampler = ForestSampler(branin_space(), seed=0)
+def test_crashes_cost_the_worst_cost_and_trials_pruned_below_the_budget_are_only_seen() -> None:
+    sampler = forest(branin_space(), seed=0)
     study = optuna.create_study(sampler=sampler)
     dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
-    study.add_trial(optuna.trial.create_trial(params={"x1": 0.0, "x2": 0.0}, distributions=dists, value=5.0))
-    study.add_trial(optuna.trial.create_trial(params={"x1": 1.0, "x2": 1.0}, distributions=dists, value=9.0))
-    pruned = {"x1": 2.0, "x2": 2.0}
-    study.add_trial(
-        optuna.trial.create_trial(
-            params=pruned, distributions=dists, state=TrialState.PRUNED, intermediate_values={0: 8.0, 3: 7.0}
-        )
-    )
-    study.add_trial(optuna.trial.create_trial(params={"x1": 3.0, "x2": 3.0}, distributions=dists, state=TrialState.FAIL))
-    history = sampler._history(study, -1)
-    assert list(history.y) == [5.0, 9.0, 7.0, 9.0]
+    for x, value in ((0.0, 5.0), (1.0, 9.0), (1.5, 7.5)):
+        study.add_trial(optuna.trial.create_trial(params={"x1": x, "x2": x}, distributions=dists, value=value))
+    study.add_trial(optuna.trial.create_trial(params={"x1": 2.0, "x2": 2.0}, distributions=dists,
+                                              state=TrialState.PRUNED, intermediate_values={0: 8.0, 3: 7.0}))
+    study.add_trial(optuna.trial.create_trial(params={"x1": 3.0, "x2": 3.0}, distributions=dists,
+                                              state=TrialState.FAIL))
+    observations = sampler._history.read(study)
+    assert list(observations.y) == [5.0, 9.0, 7.5, 9.0] and list(observations.crashed) == [False] * 3 + [True]
+    assert len(observations.seen) == 5
 
 
 @pytest.mark.parametrize("suggested", [True, False])
 def test_running_trial_of_another_worker_is_avoided(suggested: bool) -> None:
-    study = run(ForestSampler(branin_space(), seed=5), branin_objective, 20)
+    study = run(forest(branin_space(), seed=5), branin_objective, 20)
     first = study.ask()
     if suggested:
         first.suggest_float("x1", -5.0, 10.0), first.suggest_float("x2", 0.0, 15.0)
@@ -184,34 +179,32 @@ def test_running_trial_of_another_worker_is_avoided(suggested: bool) -> None:
 
 def test_same_seed_gives_the_same_sequence() -> None:
     def sequence(seed: int) -> list[dict[str, Any]]:
-        return [t.params for t in run(ForestSampler(mixed_space(), seed=seed), mixed_objective, 20).trials]
+        return [t.params for t in run(forest(mixed_space(), seed=seed), mixed_objective, 20).trials]
 
     assert sequence(7) == sequence(7)
     assert sequence(7) != sequence(8)
 
 
 def test_no_duplicates_on_a_small_discrete_space() -> None:
-    cs = ConfigurationSpace()
-    cs.add([UniformIntegerHyperparameter("a", 0, 4), UniformIntegerHyperparameter("b", 1, 5)])
-    cs.add(CategoricalHyperparameter("c", ["x", "y", "z", "w"]))
+    cs = {"a": Param(type="int", low=0, high=4), "b": Param(type="int", low=1, high=5),
+          "c": Param(type="categorical", choices=("x", "y", "z", "w"))}
 
     def objective(trial: optuna.Trial) -> float:
         a, b = trial.suggest_int("a", 0, 4), trial.suggest_int("b", 1, 5)
         return (a - 2) ** 2 + (b - 4) ** 2 + (trial.suggest_categorical("c", ["x", "y", "z", "w"]) != "z")
 
-    study = run(ForestSampler(cs, seed=0), objective, 60)
+    study = run(forest(cs, seed=0), objective, 60)
     assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 60
 
 
 def test_stepped_parameters_stay_on_their_grid_without_duplicates() -> None:
-    cs = ConfigurationSpace()
-    cs.add([UniformIntegerHyperparameter("a", 0, 9), UniformFloatHyperparameter("b", 0.0, 1.0)])
+    cs = {"a": Param(type="int", low=0, high=9, step=3), "b": Param(type="float", low=0.0, high=1.0, step=0.1)}
 
     def objective(trial: optuna.Trial) -> float:
         a, b = trial.suggest_int("a", 0, 9, step=3), trial.suggest_float("b", 0.0, 1.0, step=0.1)
         return (a - 5) ** 2 + 10 * (b - 0.55) ** 2
 
-    study = run(ForestSampler(cs, seed=0, steps={"a": 3, "b": 0.1}), objective, 44)
+    study = run(forest(cs, seed=0), objective, 44)
     grid = {(a, round(b, 9)) for a in (0, 3, 6, 9) for b in np.arange(11) / 10}
     points = [(t.params["a"], round(t.params["b"], 9)) for t in study.trials]
     assert set(points) == grid
@@ -220,7 +213,7 @@ def test_stepped_parameters_stay_on_their_grid_without_duplicates() -> None:
 def test_warm_starts_from_existing_trials() -> None:
     rng = np.random.default_rng(0)
     dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
-    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    study = optuna.create_study(sampler=forest(branin_space(), seed=0))
     warm = []
     for _ in range(30):
         params = {"x1": float(rng.uniform(-5, 10)), "x2": float(rng.uniform(0, 15))}
@@ -233,21 +226,21 @@ def test_warm_starts_from_existing_trials() -> None:
 
 
 def test_enqueued_trials_keep_their_values() -> None:
-    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    study = optuna.create_study(sampler=forest(branin_space(), seed=0))
     study.enqueue_trial({"x1": 1.5, "x2": 2.5})
     study.optimize(branin_objective, n_trials=3)
     assert study.trials[0].params == {"x1": 1.5, "x2": 2.5}
 
 
 def test_unknown_parameter_is_sampled_at_random() -> None:
-    study = optuna.create_study(sampler=ForestSampler(branin_space(), seed=0))
+    study = optuna.create_study(sampler=forest(branin_space(), seed=0))
     trial = study.ask()
     assert 0.0 <= trial.suggest_float("other", 0.0, 1.0) <= 1.0
     assert trial.suggest_categorical("kind", ["a", "b"]) in ("a", "b")
 
 
 def test_maximize_direction() -> None:
-    sampler = ForestSampler(branin_space(), seed=2, direction="maximize")
+    sampler = forest(branin_space(), seed=2, direction="maximize")
     study = optuna.create_study(direction="maximize", sampler=sampler)
     study.optimize(lambda trial: -branin_objective(trial), n_trials=30)
     assert -study.best_value < BRANIN_MIN + 0.5
@@ -257,7 +250,7 @@ def test_threads_sharing_one_sampler_and_storage() -> None:
     """Threads share one sampler (its lock orders proposals); across processes the
     engine's ask lock does the same (tests/test_workers.py)."""
     storage = optuna.storages.InMemoryStorage()
-    sampler = ForestSampler(branin_space(), seed=1)
+    sampler = forest(branin_space(), seed=1)
     studies = [
         optuna.create_study(storage=storage, study_name="shared", sampler=sampler, load_if_exists=True)
         for _ in (1, 2)
@@ -274,10 +267,11 @@ def test_threads_sharing_one_sampler_and_storage() -> None:
     assert statistics.median(values[10:]) < statistics.median(values[:10])
 
 
-def test_beats_random_search_on_branin() -> None:
-    def regret(sampler: optuna.samplers.BaseSampler) -> float:
-        return run(sampler, branin_objective, 40).best_value - BRANIN_MIN  # type: ignore[arg-type]
+@pytest.mark.parametrize("model, n_trials", [("forest", 40), ("gp", 30)])
+def test_beats_random_search_on_branin(model: str, n_trials: int) -> None:
+    def regret(sampler: optuna.samplers.BaseSampler, n: int) -> float:
+        return run(sampler, branin_objective, n).best_value - BRANIN_MIN  # type: ignore[arg-type]
 
-    forest = [regret(ForestSampler(branin_space(), seed=s)) for s in range(3)]
-    random = [regret(optuna.samplers.RandomSampler(seed=s)) for s in range(3)]
-    assert statistics.median(forest) < min(0.05, 0.2 * statistics.median(random))
+    random = statistics.median(regret(optuna.samplers.RandomSampler(seed=s), 40) for s in range(3))
+    found = statistics.median(regret(SmacSampler(branin_space(), seed=s, model=model), n_trials) for s in range(3))
+    assert found < min(0.05, 0.2 * random)

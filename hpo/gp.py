@@ -1,0 +1,74 @@
+"""Gaussian-process proposals for hpo's optimizer: Optuna's GPSampler on SMAC's costs.
+
+SMAC3's black-box facade answers small continuous problems with a GP. hpo asks Optuna's
+:class:`~optuna.samplers.GPSampler` (Matern-5/2 ARD kernel, log expected improvement, a
+batched local search of it, q-batch log EI over running trials) through its public sampler
+interface, on a private in-memory study that holds the history as the optimizer sees it
+(:class:`hpo.history.Observations`): crashes at the crash cost, pruned trials at the chosen
+budget, running trials of other workers as running trials.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.trial import TrialState
+
+from hpo.codec import Codec
+from hpo.history import Observations
+
+
+class GPProposer:
+    """Proposes one configuration from observations with Optuna's GP.
+
+    Args:
+        codec: the encoding of the search space (no conditions).
+        seed: seed of the GP sampler (``None``: fresh randomness).
+    """
+
+    def __init__(self, codec: Codec, seed: int | None) -> None:
+        self._codec = codec
+        self._distributions = codec.distributions()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self._sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=1, warn_independent_sampling=False)
+
+    def propose(self, observations: Observations) -> np.ndarray:
+        """The row the GP's acquisition prefers, given the observations (at least one)."""
+        study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
+                                    sampler=optuna.samplers.RandomSampler(seed=0))
+        trials = [optuna.trial.create_trial(params=self._params(row), distributions=self._distributions,
+                                            value=float(cost))
+                  for row, cost in zip(self._complete(observations.x), observations.y)]
+        trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=self._params(row),
+                                             distributions=self._distributions)
+                   for row in self._complete(observations.pending)]
+        study.add_trials(trials)
+        number = study.ask().number
+        trial = next(t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.number == number)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            params = self._sampler.sample_relative(study, trial, self._distributions)
+        return self._codec.canonical(self._codec.encode([params]))[0]
+
+    def _complete(self, rows: np.ndarray) -> np.ndarray:
+        """Rows with the values a trial never suggested filled in (the middle of a range, the
+        first choice), so they stay constant to the GP."""
+        filled = np.where(np.isnan(rows), np.where(self._codec.categorical, 0.0, 0.5), rows)
+        return self._codec.canonical(filled)
+
+    def _params(self, row: np.ndarray) -> dict[str, Any]:
+        """The searched values of a row, legal for their Optuna distributions."""
+        values = self._codec.decode(row)
+        params: dict[str, Any] = {}
+        for name, distribution in self._distributions.items():
+            if isinstance(distribution, (optuna.distributions.FloatDistribution,
+                                         optuna.distributions.IntDistribution)):
+                value = min(max(values[name], distribution.low), distribution.high)
+                integer = isinstance(distribution, optuna.distributions.IntDistribution)
+                params[name] = round(value) if integer else float(value)
+            else:
+                params[name] = values[name]
+        return params

@@ -1,0 +1,226 @@
+"""hpo's model-based optimizer (``search.method: smac``) as an Optuna sampler.
+
+:class:`SmacSampler` proposes one whole configuration per trial and hands it out name by
+name from ``sample_independent``, so define-by-run code that suggests the parameters of a
+ConfigSpace space (same names, conditional parameters skipped when inactive) gets a
+coherent proposal. The proposal is made on the trial's first ``sample_independent`` call,
+so a trial whose parameters are all fixed (enqueued) costs no proposal. The history is read
+from the study incrementally (:class:`hpo.history.History`), so any number of threads and
+processes can share one storage.
+
+Like SMAC3's facades it is a portfolio: a scrambled Sobol design first, then a Gaussian
+process (Optuna's, :mod:`hpo.gp`) while the space is small and unconditional and the history
+short, and SMAC's random forest (:mod:`hpo.forest`) for conditional or large spaces and long
+histories, where its cost stays flat.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.samplers import BaseSampler, RandomSampler
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo.codec import Codec, keys
+from hpo.forest import Forest, search
+from hpo.gp import GPProposer
+from hpo.history import History, Observations
+from hpo.scenario import Param
+
+if TYPE_CHECKING:
+    from optuna.study import Study
+
+MODELS = ("auto", "forest", "gp")
+_GP_INITIAL = 10
+
+
+class SmacSampler(BaseSampler):
+    """SMAC-style Bayesian optimization over a scenario's parameters.
+
+    Each trial gets one configuration from the study's history: a scrambled Sobol design
+    until ``n_initial`` trials have a cost (crashes count: they cost the worst cost seen), then
+    the configuration of highest expected improvement under the model (and, if
+    ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
+    configuration already in the history (whatever its outcome) or running is never proposed
+    while an unseen one can be found. Parameters must be suggested under their names and
+    values (as :func:`hpo.space.suggest` does); a name outside ``params`` is sampled at random.
+
+    Args:
+        params: the parameters, in definition order (conditions, steps and log scales included);
+            integers and stepped floats are proposed, and told apart, on their grid.
+        seed: with a seed, one worker repeats its sequence exactly.
+        direction: ``minimize`` or ``maximize``, the objective's direction.
+        n_initial: size of the initial design (default: searched parameters + 1, at least 10
+            where the GP may be used, as Optuna's GPSampler starts).
+        model: ``gp``, ``forest``, or ``auto``: the GP for unconditional spaces of at most
+            ``gp_max_dims`` searched parameters while at most ``gp_max_points`` trials have a
+            cost, the forest otherwise.
+        gp_max_dims: the most searched parameters the GP takes on.
+        gp_max_points: the most observations the GP takes on (its cost grows as their cube).
+        random_every: interleave a random configuration every this many trials (0: never).
+        n_trees: trees of the forest.
+        n_random: random candidates of each forest search.
+        n_starts: best configurations the forest's local search starts from.
+        max_points: the most observations the forest is fitted to; beyond 100 observations it
+            is refitted once the history has grown by 1 %.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Param],
+        *,
+        seed: int | None = None,
+        direction: str = "minimize",
+        n_initial: int | None = None,
+        model: str = "auto",
+        gp_max_dims: int = 20,
+        gp_max_points: int = 200,
+        random_every: int = 0,
+        n_trees: int = 10,
+        n_random: int = 500,
+        n_starts: int = 5,
+        max_points: int = 256,
+    ) -> None:
+        if direction not in ("minimize", "maximize"):
+            raise ValueError(f"direction must be 'minimize' or 'maximize', not {direction!r}")
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {', '.join(MODELS)}, not {model!r}")
+        self._codec = Codec(params)
+        self._seed = seed
+        self._searched = searched = self._codec.dim
+        self._gp_allowed = model == "gp" or (model == "auto" and not self._codec.conditional
+                                              and 0 < searched <= gp_max_dims)
+        default_initial = max(searched + 1, _GP_INITIAL if self._gp_allowed else 0)
+        self._n_initial = max(2, n_initial if n_initial is not None else default_initial)
+        self._history = History(self._codec, 1.0 if direction == "minimize" else -1.0, self._n_initial)
+        self._gp_max_points = math.inf if model == "gp" else gp_max_points
+        self._gp: GPProposer | None = None
+        self._random_every = random_every
+        self._n_trees = n_trees
+        self._n_random = n_random
+        self._n_starts = n_starts
+        self._max_points = max_points
+        self._fallback = RandomSampler(seed=seed)
+        self._lock = threading.Lock()
+        self._proposals: dict[tuple[str, int], dict[str, Any]] = {}
+        self._forest: tuple[str, Forest] | None = None
+        self._single_objective: set[str] = set()
+
+    def reseed_rng(self) -> None:
+        """Forget the seed: later proposals draw fresh randomness."""
+        self._seed = None
+        self._fallback.reseed_rng()
+        self._gp = None
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        """Nothing is sampled relatively; see ``sample_independent``."""
+        return {}
+
+    def sample_relative(
+        self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        """Nothing is sampled relatively; see ``sample_independent``."""
+        self._raise_error_if_multi_objective(study)
+        return {}
+
+    def sample_independent(
+        self, study: Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        """The trial's proposed value for ``param_name``, converted to ``param_distribution``;
+        the proposal is made on the trial's first call."""
+        self._check_single_objective(study)
+        key = (study.study_name, trial.number)
+        with self._lock:
+            proposal = self._proposals.get(key)
+            if proposal is None:
+                proposal = self._proposals[key] = self._propose(study, trial)
+        if param_name in proposal:
+            value = _to_distribution(proposal[param_name], param_distribution)
+            if value is not None:
+                return value
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def _check_single_objective(self, study: Study) -> None:
+        """Raise ValueError for a multi-objective study (its directions are read once per study)."""
+        if study.study_name not in self._single_objective:
+            self._raise_error_if_multi_objective(study)
+            self._single_objective.add(study.study_name)
+
+    def after_trial(
+        self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
+        """Forget the finished trial's proposal."""
+        with self._lock:
+            self._proposals.pop((study.study_name, trial.number), None)
+
+    def _propose(self, study: Study, trial: FrozenTrial) -> dict[str, Any]:
+        if self._searched == 0:
+            return self._codec.decode(np.zeros(0))
+        rng = np.random.default_rng(None if self._seed is None else [self._seed, trial.number])
+        mine = {number: p for (name, number), p in self._proposals.items() if name == study.study_name}
+        observations = self._history.read(study, trial.number, mine)
+        finished = self._history.finished(study.study_name)
+        for number in [n for n in mine if n in finished]:
+            del self._proposals[(study.study_name, number)]
+        if len(observations.y) < self._n_initial:
+            design = self._initial_design(len(observations.seen) + self._n_initial)
+            candidates = np.vstack([design[len(observations.seen):], design])
+        elif self._random_every > 0 and trial.number % self._random_every == self._random_every - 1:
+            candidates = self._codec.sample(self._n_random, rng)
+        elif self._gp_allowed and len(observations.y) <= self._gp_max_points:
+            self._gp = self._gp or GPProposer(self._codec, self._seed)
+            candidates = self._gp.propose(observations)[None, :]
+        else:
+            forest = self._fit(study.study_name, observations, rng)
+            near = np.vstack([observations.x, observations.pending])
+            candidates = search(self._codec, forest, near, rng, self._n_random, self._n_starts)
+        return self._codec.decode(self._first_unseen(candidates, observations.seen, rng))
+
+    def _first_unseen(self, candidates: np.ndarray, seen: frozenset[bytes], rng: np.random.Generator) -> np.ndarray:
+        """The first candidate not in ``seen``, else the first unseen random configuration,
+        else (the space is used up) the first candidate."""
+        for batch in (candidates, self._codec.sample(self._n_random, rng)):
+            for row, key in zip(batch, keys(batch)):
+                if key not in seen:
+                    return row
+        return candidates[0]
+
+    def _initial_design(self, n: int) -> np.ndarray:
+        from scipy.stats import qmc  # imported when first needed: scipy.stats is slow to import
+
+        sobol = qmc.Sobol(self._codec.dim, scramble=True, seed=self._seed)
+        return self._codec.from_unit(sobol.random_base2(max(1, math.ceil(math.log2(n)))))
+
+    def _fit(self, study_name: str, observations: Observations, rng: np.random.Generator) -> Forest:
+        """The forest of the last proposal while the history has grown by under 1 % since
+        (by nothing below 100 observations), else a forest fitted now."""
+        seed = int(rng.integers(2**31 - 1))
+        if self._forest is not None and self._forest[0] == study_name:
+            fitted = self._forest[1]
+            if 100 <= fitted.n_observed <= len(observations.y) < fitted.n_observed * 1.01:
+                return fitted
+        forest = Forest(self._codec, observations, n_trees=self._n_trees, max_points=self._max_points, seed=seed)
+        self._forest = (study_name, forest)
+        return forest
+
+
+def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:
+    """``value`` as a legal value of ``distribution``, or None if it has no such value."""
+    if isinstance(distribution, CategoricalDistribution):
+        for choice in distribution.choices:
+            if choice == value and type(choice) is type(value):
+                return choice
+        return next((c for c in distribution.choices if c == value), None)
+    if isinstance(distribution, (FloatDistribution, IntDistribution)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        low, high = distribution.low, distribution.high
+        if distribution.step is not None:
+            value = low + round((value - low) / distribution.step) * distribution.step
+        value = min(max(value, low), high)
+        return round(value) if isinstance(distribution, IntDistribution) else float(value)
+    return None

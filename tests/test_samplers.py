@@ -1,0 +1,190 @@
+"""hpo's samplers under Optuna's own sampler contract, and the contracts of ``search.method: smac``:
+no configuration proposed twice whatever the history holds, no proposal spent on enqueued
+trials, constant ranges and indistinguishable choices settled at validation."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.testing.pytest_samplers import BasicSamplerTestCase, SingleOnlySamplerTestCase
+from optuna.trial import TrialState
+
+from hpo import space
+from hpo.errors import InputError
+from hpo.optimizer import SmacSampler
+from hpo.samplers import build_sampler
+from hpo.scenario import Param, load_scenario
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+# The names Optuna's sampler test cases suggest, as a scenario would declare them.
+KIT_PARAMS = {
+    "x": Param(type="float", low=0.0, high=10.0),
+    "y": Param(type="int", low=-1, high=1),
+    "z": Param(type="float", low=-1.0, high=1.0),
+    "category": Param(type="categorical", choices=("x", "y")),
+    "b": Param(type="int", low=1, high=1),
+    "d": Param(type="float", low=1.0, high=1.0),
+}
+CONDITIONAL_PARAMS = {
+    "model": Param(type="categorical", choices=("mlp", "cnn")),
+    "hidden": Param(type="int", low=8, high=1024, log=True, condition={"model": "mlp"}),
+    "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+    "dropout": Param(type="float", low=0.0, high=0.5, step=0.1),
+}
+SMAC_SAMPLERS: list[Callable[[], optuna.samplers.BaseSampler]] = [
+    lambda: build_sampler("smac", KIT_PARAMS, seed=0),
+    lambda: SmacSampler(KIT_PARAMS, seed=0, n_initial=2, model="forest"),
+    lambda: SmacSampler({}, seed=0),
+]
+
+
+class TestSmacBasicContract(BasicSamplerTestCase):
+    @pytest.fixture(params=SMAC_SAMPLERS, ids=["smac", "forest", "empty-space"])
+    def sampler(self, request: pytest.FixtureRequest) -> Callable[[], optuna.samplers.BaseSampler]:
+        return request.param
+
+
+class TestSmacSingleObjectiveOnly(SingleOnlySamplerTestCase):
+    @pytest.fixture(params=SMAC_SAMPLERS, ids=["smac", "forest", "empty-space"])
+    def sampler(self, request: pytest.FixtureRequest) -> Callable[[], optuna.samplers.BaseSampler]:
+        return request.param
+
+
+def _params(study: optuna.Study) -> list[tuple[Any, ...]]:
+    return [tuple(sorted(t.params.items())) for t in study.trials]
+
+
+def _suggest(params: dict[str, Param]) -> Callable[[optuna.Trial], dict[str, Any]]:
+    return lambda trial: space.suggest(trial, params)
+
+
+@pytest.mark.parametrize("params", [KIT_PARAMS, CONDITIONAL_PARAMS], ids=["plain", "conditional"])
+def test_an_always_crashing_script_gets_a_new_configuration_every_trial(params: dict[str, Param]) -> None:
+    for seed in range(4):
+        study = optuna.create_study(sampler=build_sampler("smac", params, seed=seed))
+
+        def crash(trial: optuna.Trial) -> float:
+            _suggest(params)(trial)
+            raise RuntimeError("out of memory")
+
+        study.optimize(crash, n_trials=8, catch=(RuntimeError,))
+        assert all(t.state == TrialState.FAIL for t in study.trials)
+        assert len(set(_params(study))) == 8
+
+
+def test_a_script_that_crashes_for_part_of_the_space_never_repeats_a_configuration() -> None:
+    params = {"hidden": Param(type="int", low=16, high=1024, log=True), "lr": Param(type="float", low=1e-4, high=1.0,
+                                                                                    log=True)}
+
+    def train(trial: optuna.Trial) -> float:
+        values = space.suggest(trial, params)
+        if values["hidden"] > 256:
+            raise MemoryError("CUDA out of memory")
+        return (math.log10(values["lr"]) + 2) ** 2 - values["hidden"] / 256
+
+    for seed in range(8):
+        study = optuna.create_study(sampler=build_sampler("smac", params, seed=seed))
+        study.optimize(train, n_trials=12, catch=(MemoryError,))
+        assert len(set(_params(study))) == 12, f"seed {seed} repeated a configuration"
+
+
+@pytest.mark.parametrize("state", [TrialState.PRUNED, TrialState.RUNNING])
+def test_pruned_or_running_histories_get_no_repeats(state: TrialState) -> None:
+    study = optuna.create_study(sampler=build_sampler("smac", CONDITIONAL_PARAMS, seed=1))
+    for _ in range(12):
+        trial = study.ask()
+        _suggest(CONDITIONAL_PARAMS)(trial)
+        if state == TrialState.PRUNED:
+            study.tell(trial, state=TrialState.PRUNED)
+    assert len(set(_params(study))) == 12
+
+
+def test_enqueued_trials_cost_no_proposal() -> None:
+    sampler = build_sampler("smac", KIT_PARAMS, seed=0)
+    assert isinstance(sampler, SmacSampler)
+    study = optuna.create_study(sampler=sampler)
+    study.optimize(lambda t: _suggest(KIT_PARAMS)(t)["x"], n_trials=3)
+    proposals: list[int] = []
+    propose = sampler._propose
+    sampler._propose = lambda study, trial: proposals.append(trial.number) or propose(study, trial)  # type: ignore
+    fixed = {"x": 1.5, "y": 0, "z": 0.25, "category": "y"}
+    study.enqueue_trial(fixed, user_attrs={"rerun_of": 0})
+    study.optimize(lambda t: _suggest(KIT_PARAMS)(t)["x"], n_trials=2)
+    assert {k: study.trials[3].params[k] for k in fixed} == fixed
+    assert proposals == [4]
+
+
+def test_lost_and_interrupted_trials_are_not_crashes_but_are_seen() -> None:
+    sampler = build_sampler("smac", KIT_PARAMS, seed=0)
+    study = optuna.create_study(sampler=sampler)
+    study.optimize(lambda t: _suggest(KIT_PARAMS)(t)["x"], n_trials=4)
+    for outcome in ("LOST", "INTERRUPTED", "TIMEOUT"):
+        trial = study.ask()
+        _suggest(KIT_PARAMS)(trial)
+        trial.set_user_attr("outcome", outcome)
+        study.tell(trial, state=TrialState.FAIL)
+    observations = sampler._history.read(study)  # type: ignore[attr-defined]
+    assert len(observations.y) == 5 and observations.crashed.sum() == 1
+    assert len(observations.seen) == 7
+
+
+def test_stopped_trial_counts_with_its_last_intermediate_value_and_pruned_trials_at_a_budget() -> None:
+    params = {"x": Param(type="float", low=0.0, high=1.0)}
+    sampler = SmacSampler(params, seed=0, n_initial=2)
+    study = optuna.create_study(sampler=sampler)
+    distributions = space.distributions(params)
+    for x, curve, state, outcome in [
+        (0.1, {1: 0.9, 2: 0.5, 3: 0.3}, TrialState.COMPLETE, "COMPLETE"),
+        (0.2, {1: 0.8}, TrialState.PRUNED, "PRUNED"),
+        (0.3, {1: 0.7, 2: 0.6}, TrialState.FAIL, "STOPPED"),
+        (0.4, {}, TrialState.FAIL, "STOPPED"),
+    ]:
+        study.add_trial(optuna.trial.create_trial(
+            params={"x": x}, distributions=distributions, state=state, intermediate_values=curve,
+            value=0.3 if state == TrialState.COMPLETE else None, user_attrs={"outcome": outcome}))
+    observations = sampler._history.read(study)
+    assert observations.budget == 2 and sorted(observations.y) == [0.5, 0.6]
+    study.add_trial(optuna.trial.create_trial(params={"x": 0.5}, distributions=distributions, value=0.2,
+                                              intermediate_values={1: 0.6, 2: 0.4, 3: 0.2}))
+    observations = sampler._history.read(study)
+    assert observations.budget == math.inf and sorted(observations.y) == [0.2, 0.3]
+    assert len(observations.seen) == 5
+
+
+def _scenario(tmp_path: Path, write_scenario: Callable[..., Path], parameters: dict[str, Any],
+              **search: Any) -> Path:
+    template = "from hpo.results import report\nreport(val_error=({{ x }} - 0.3) ** 2 + {{ b }})\n"
+    return write_scenario(tmp_path, template_text=template, parameters=parameters,
+                          search={"method": "smac", "trials": 3, **search})
+
+
+def test_a_range_of_one_value_is_a_constant(tmp_path: Path, write_scenario: Callable[..., Path],
+                                            run_cli: Callable[..., Any]) -> None:
+    path = _scenario(tmp_path, write_scenario, {"x": {"type": "float", "low": 0.0, "high": 1.0},
+                                                "b": {"type": "float", "low": 2.0, "high": 2.0}})
+    run = run_cli("run", path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "3/3 trials finished (3 complete)" in run.stdout
+    assert space.config_space(load_scenario(path).parameters)["b"].value == 2.0
+
+
+@pytest.mark.parametrize("choices, message", [
+    ([True, 1], "parameters.b.choices: true and 1 compare equal"),
+    ([1, 1.0], "parameters.b.choices: 1 and 1.0 compare equal"),
+    ([0, "a", False], "parameters.b.choices: 0 and false compare equal"),
+])
+def test_choices_that_compare_equal_are_bad_input(tmp_path: Path, write_scenario: Callable[..., Path],
+                                                  run_cli: Callable[..., Any], choices: list[Any],
+                                                  message: str) -> None:
+    path = _scenario(tmp_path, write_scenario, {"b": {"type": "categorical", "choices": choices}})
+    with pytest.raises(InputError, match=message):
+        load_scenario(path)
+    if choices == [True, 1]:
+        run = run_cli("validate", path)
+        assert run.returncode == 2 and message in run.stderr + run.stdout
+        assert len((run.stderr + run.stdout).strip().splitlines()) == 1
