@@ -124,16 +124,37 @@ def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argpars
                        allow_space_change=getattr(args, "allow_space_change", False))
 
 
-def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> int:
+def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
+    """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
+    from hpo.scenario import Cluster
+
+    cluster = Cluster(address=args.cluster) if getattr(args, "cluster", None) else ctx.scenario.resources.cluster
+    if cluster is None:
+        return None
+    import logging
+
+    from hpo.dask_executor import open_cluster
+
+    logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
+    return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True))
+
+
+def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
+               executor: Any = None) -> int:
     from hpo.engine import Sweep
     from hpo.progress import ProgressView
 
-    sweep = Sweep(_sweep_config(ctx, slots, seed, args))
-    sweep.prepare()
-    signals = _Signals(lambda signum: sweep.stop())
-    with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, describe_plan(slots)) as view:
-            sweep.run(view)
+    try:
+        sweep = Sweep(_sweep_config(ctx, slots, seed, args), executor)
+        sweep.prepare()
+        signals = _Signals(lambda signum: sweep.stop())
+        with signals.installed():
+            plan = executor.describe(slots) if executor else describe_plan(slots)
+            with ProgressView(sweep.store, sweep.budget, plan) as view:
+                sweep.run(view)
+    finally:
+        if executor:
+            executor.close()
     code = signals.exit_code()
     return EXIT_OK if code is None else code
 
@@ -141,15 +162,20 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the sweep to the end (resumable); --workers K runs K optimizer processes."""
     ctx = _context(args)
-    slots = _plan(ctx, at_least=args.workers)
+    executor = _cluster(ctx, args)
+    slots = executor.plan(at_least=args.workers) if executor else _plan(ctx, at_least=args.workers)
     if args.workers == 1:
-        return _run_sweep(ctx, slots, ctx.scenario.search.seed, args)
-    return _run_workers(ctx, slots, args)
+        return _run_sweep(ctx, slots, ctx.scenario.search.seed, args, executor)
+    try:
+        return _run_workers(ctx, slots, args, executor)
+    finally:
+        if executor:
+            executor.close()
 
 
-def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace) -> int:
-    """Start ``--workers`` optimizer processes sharing the study and this machine's slots;
-    show their progress from the store."""
+def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace, executor: Any = None) -> int:
+    """Start ``--workers`` optimizer processes sharing the study and this machine's slots
+    (or the slots of ``executor``'s Dask cluster); show their progress from the store."""
     from hpo.engine import Sweep
     from hpo.launch import die_with_parent
     from hpo.progress import ProgressView, follow_store
@@ -166,6 +192,8 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace)
                 "--slots", json.dumps([asdict(slot) for slot in share])]
         if args.allow_space_change:
             argv.append("--allow-space-change")
+        if executor:
+            argv += ["--cluster", executor.address]
         log = (ctx.workdir / f"worker-{index}.log").open("a")
         log.write(f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: {describe_plan(share)}\n")
         log.flush()
@@ -180,7 +208,8 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace)
 
     signals = _Signals(forward)
     with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, describe_plan(slots)) as view:
+        with ProgressView(sweep.store, sweep.budget, executor.describe(slots) if executor else describe_plan(slots)
+                          ) as view:
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
         codes = [proc.wait() for proc in procs]
     code = signals.exit_code()
@@ -199,11 +228,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
+    executor = _cluster(ctx, args)
     if args.slots:
         slots = tuple(Slot(**{**item, "gpus": tuple(item["gpus"])}) for item in json.loads(args.slots))
+    elif executor:
+        slots = executor.plan(parallel=args.parallel)
     else:
         slots = _plan(ctx, parallel=args.parallel, gpus=args.gpus)
-    return _run_sweep(ctx, slots, seed, args)
+    return _run_sweep(ctx, slots, seed, args, executor)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -389,11 +421,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     scenario = ctx.scenario
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
-    slots = _plan(ctx)
+    cluster = scenario.resources.cluster
+    where = describe_plan(_plan(ctx)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
     print(f"ok: {scenario.name}: {len(scenario.parameters)} parameters, method {scenario.search.method}, "
-          f"{budget} trials, {describe_plan(slots)}")
+          f"{budget} trials, {where}")
     print(f"store: {optuna_url(ctx.storage)}")
+    if cluster is not None and cluster.address is not None:
+        print(f"cluster: the Dask scheduler at {cluster.address} (not contacted)")
+    elif cluster is not None:
+        from hpo.jobqueue import job_script
+
+        print(f"cluster: up to {cluster.jobs} {cluster.kind} jobs, each submitted with this job script:")
+        print(job_script(cluster).rstrip())
     return EXIT_OK
 
 
@@ -461,9 +501,16 @@ def _space_arg(parser: argparse.ArgumentParser) -> None:
                         help="resume even if the scenario's search space differs from the study's")
 
 
+def _cluster_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", metavar="ADDRESS",
+                        help="run the trials on the Dask cluster whose scheduler is at ADDRESS, e.g. "
+                             "tcp://10.0.0.5:8786 (default: resources.cluster, else this machine)")
+
+
 def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_positive, default=1,
                         help="optimizer worker processes on this machine; they share its slots (parallel)")
+    _cluster_arg(parser)
     _space_arg(parser)
 
 
@@ -472,6 +519,7 @@ def _worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=_positive, help="task slots of this worker (default: the scenario's)")
     parser.add_argument("--gpus", help="GPU ids this worker may use, e.g. 0,1")
     parser.add_argument("--slots", help=argparse.SUPPRESS)
+    _cluster_arg(parser)
     _space_arg(parser)
 
 
@@ -566,6 +614,7 @@ def _quiet_optuna() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpo`` console script; returns the exit code."""
+    from hpo.executor import ExecutorUnavailable
     from hpo.storage import StoreUnavailable
 
     _quiet_optuna()
@@ -582,6 +631,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreUnavailable as exc:
         print(f"error: {exc}; results of finished trials are kept in their folders and recorded on resume",
               file=sys.stderr)
+        return EXIT_ERROR
+    except ExecutorUnavailable as exc:
+        print(f"error: {exc}; run the same command to resume (trials that were running were recorded "
+              "INTERRUPTED and run again)", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from hpo import designs, space
 from hpo.errors import InputError
-from hpo.executor import Executor, LocalExecutor, TrialSpec
+from hpo.executor import Executor, ExecutorUnavailable, LocalExecutor, TrialSpec
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
@@ -301,6 +301,9 @@ class Sweep:
             return self._executor.run(spec, control)
         except StoreUnavailable:
             raise
+        except ExecutorUnavailable as exc:
+            self._on_fatal(exc)
+            return TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start, reason=f"interrupted: {exc}")
         except Exception as exc:
             claim.folder.mkdir(parents=True, exist_ok=True)
             with (claim.folder / LOG_FILE).open("a") as log:

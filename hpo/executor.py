@@ -75,11 +75,17 @@ class TrialControl(Protocol):
         """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
 
 
+class ExecutorUnavailable(Exception):
+    """The executor can run no more trials (its Dask scheduler is gone): the sweep stops, its
+    running trials are recorded INTERRUPTED and run again on resume."""
+
+
 class Executor(Protocol):
     """Runs trials; :meth:`run` may be called from several slot threads at once."""
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
-        """Run ``spec`` to its end and judge it; a trial's failure is a result, never raised."""
+        """Run ``spec`` to its end and judge it; a trial's failure is a result, never raised.
+        Raises :class:`ExecutorUnavailable` when the executor itself is gone."""
 
     def close(self) -> None:
         """Release what the executor holds (called once, when the sweep ends)."""
@@ -125,11 +131,11 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
         duration += post.duration_s
         if post.exit_code != 0 or post.ended_by is not None:
             cause = post.ended_by or f"post_process exit code {post.exit_code}"
-            return _save(folder, spec.number, TrialResult(Outcome.FAIL, duration_s=duration,
-                                                          reason=_with_line(cause, tail)))
+            return save_result(folder, spec.number, TrialResult(Outcome.FAIL, duration_s=duration,
+                                                                reason=_with_line(cause, tail)))
         metrics = parser.metrics()
     result = judge(metrics, objective, process.exit_code, process.ended_by, list(tail), duration, spec.timeout)
-    return _save(folder, spec.number, result)
+    return save_result(folder, spec.number, result)
 
 
 def _with_line(cause: str, tail: Sequence[str]) -> str:
@@ -192,7 +198,7 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     return ended(Outcome.COMPLETE, "", value)
 
 
-def _save(folder: Path, number: int, result: TrialResult) -> TrialResult:
+def save_result(folder: Path, number: int, result: TrialResult) -> TrialResult:
     """Write ``result`` to the folder's ``result.json`` (atomically) and return it."""
     record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
     temporary = folder / f".{RESULT_FILE}.tmp"

@@ -269,6 +269,77 @@ def gpu_share(value: float) -> int | None:
     return k if 2 <= k <= MAX_SHARE and abs(value - 1 / k) <= 0.02 / k else None
 
 
+class Cluster(_Frozen):
+    """Where trials run when they leave this machine (``resources.cluster``): a Dask scheduler
+    at ``address``, or Dask workers that dask-jobqueue starts as batch jobs of ``kind``.
+
+    The batch keys are dask-jobqueue's names where it has them: ``jobs`` is the most jobs at
+    once (hpo scales them to the work left), ``cores``, ``memory``, ``walltime``, ``queue``
+    and ``account`` describe one job, ``gpus`` the GPUs it asks for (its worker offers them
+    as the Dask resource ``GPU``), ``job_extra`` are extra scheduler directives, ``setup``
+    shell lines run before the worker starts (activate the environment) and ``interface``
+    the network interface (e.g. ``ib0``) of the workers and of the scheduler ``hpo run``
+    starts; ``disk`` the scratch disk an HTCondor job asks for (HTCondor only, and required).
+    """
+
+    address: str | None = None
+    kind: Literal["slurm", "pbs", "sge", "lsf", "htcondor"] | None = None
+    jobs: int = Field(default=1, ge=1)
+    cores: int | None = Field(default=None, ge=1)
+    memory: str | None = None
+    gpus: int = Field(default=0, ge=0)
+    walltime: str | None = None
+    queue: str | None = None
+    account: str | None = None
+    job_extra: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    interface: str | None = None
+    disk: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1)
+                    hint = f"did you mean {close[0]}?" if close else f"allowed: {', '.join(cls.model_fields)}"
+                    raise ValueError(f"{key}: unknown key ({hint})")
+        return data
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\S+", value):
+            raise ValueError(f"expected a Dask scheduler address such as tcp://10.0.0.5:8786, got {value!r}")
+        return value
+
+    @field_validator("memory", "disk")
+    @classmethod
+    def _amount(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"\d+(\.\d+)?\s*([KMGTP]i?B?|B)?", value.strip()):
+            raise ValueError(f"expected an amount such as 16GB or 64 GiB, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "Cluster":
+        if (self.address is None) == (self.kind is None):
+            raise ValueError("expected a Dask scheduler address (tcp://host:8786) or a mapping with kind: "
+                             "slurm, pbs, sge, lsf or htcondor")
+        if self.kind is not None:
+            for key in ("cores", "memory"):
+                if getattr(self, key) is None:
+                    raise ValueError(f"{key}: required for batch jobs (kind {self.kind})")
+            if (self.kind == "htcondor") != (self.disk is not None):
+                raise ValueError("disk: required for HTCondor jobs" if self.disk is None
+                                 else f"disk: only HTCondor jobs ask for disk, not {self.kind} jobs")
+        else:
+            given = sorted(self.model_fields_set - {"address"})
+            if given:
+                raise ValueError(f"{given[0]}: describes batch jobs (with kind), not a Dask cluster at an address")
+        return self
+
+
 class Resources(_Frozen):
     """Task slots on this machine, what each trial owns, and the limits of a trial.
 
@@ -276,6 +347,10 @@ class Resources(_Frozen):
     GPU, one process each) or ``auto`` (one GPU per process, as many processes as
     ``processes_per_trial`` asks for and the machine has GPUs). ``parallel: auto`` runs as
     many trials at once as the GPUs (or, without GPUs, the CPU cores) allow.
+
+    ``cluster`` runs the trials on a Dask cluster instead (see :class:`Cluster`; a string is
+    its address); ``parallel`` then counts the trials at once on the whole cluster (unset
+    or ``auto``: as many as its workers take).
     """
 
     parallel: Union[int, Literal["auto"]] = 1
@@ -286,6 +361,16 @@ class Resources(_Frozen):
     timeout: float | None = Field(default=None, gt=0)
     heartbeat: float = Field(default=10.0, gt=0)
     store_retry: float = Field(default=300.0, ge=0)
+    cluster: Cluster | None = None
+
+    @field_validator("cluster", mode="before")
+    @classmethod
+    def _cluster_address(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"address": value}
+        if value is not None and not isinstance(value, (dict, Cluster)):
+            raise ValueError(f"expected a Dask scheduler address or a mapping with kind: slurm, ..., got {value!r}")
+        return value
 
     @field_validator("gpus")
     @classmethod

@@ -1,0 +1,695 @@
+"""Trials as Dask tasks: each slot's trial runs on a worker of a Dask cluster.
+
+``hpo run`` keeps the optimizer and the store. A :class:`DaskExecutor` submits each trial
+as one task, :func:`run_task`, which runs :func:`hpo.executor.run_trial` on a worker: in
+its own process tree exactly as on this machine, on GPUs of the worker's machine. All that
+passes between the two travels through the Dask scheduler, so a worker needs neither the
+store nor a shared filesystem:
+
+* worker to sweep: events on the executor's topic (``Worker.log_event``): the trial
+  started (where, on which GPUs), its intermediate values, chunks of its log;
+* sweep to worker: a Dask ``Variable`` per trial holding what should end it (``stopped``,
+  ``pruned``, ``interrupted``; empty while it runs), read by the worker every ``POLL_S``;
+* a Dask ``Event`` per trial marks its first start. Dask runs a task again when its worker
+  dies; hpo does not: the second start returns LOST at once, and the sweep queues the
+  configuration as a new trial, as it does for any lost trial;
+* the task's result: how the trial ended and the end of its log.
+
+Trial folders: when the worker sees the trial's folder (a shared filesystem), the trial
+runs there, as on this machine; otherwise it runs in the worker's scratch space while its
+log streams into the folder here, where its ``result.json`` is written too.
+
+A trial takes ``gpus_per_trial`` of a worker's ``GPU`` resource and ``processes`` of its
+``CPU`` resource, for each of these that the cluster's workers offer
+(``dask worker --resources GPU=4``); one worker thread either way.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import dask
+from dask.utils import parse_timedelta
+from distributed import CancelledError, Client, Event, KilledWorker, Variable, get_client, get_worker
+from distributed.worker import Worker
+
+from hpo.errors import InputError
+from hpo.executor import ExecutorUnavailable, TrialControl, TrialSpec, run_trial, save_result
+from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus
+from hpo.outcome import Outcome, TrialResult
+from hpo.render import LOG_FILE, write_files
+from hpo.scenario import Cluster, Resources
+
+POLL_S = 0.5
+SHIP_S = 0.25
+CHUNK_BYTES = 64 * 1024
+CHECK_S = 0.2
+WATCH_S = 1.0
+LOST_GRACE_S = 5.0
+LOG_DRAIN_S = 5.0
+INTERRUPT_GRACE_S = KILL_GRACE_S + 10.0
+SCHEDULER_LOST_S = 30.0
+MARKER = ".hpo-token"
+RUNNING_STATES = frozenset({"executing", "long-running"})
+_DONE = object()
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one trial takes of a worker.
+
+    Args:
+        gpus: GPUs on a worker that has them (1 for a share of one).
+        share: trials that share each GPU (``k`` of ``gpus_per_trial: 1/k``).
+        processes: processes of the trial (torchrun ranks).
+    """
+
+    gpus: int
+    share: int
+    processes: int
+
+    @classmethod
+    def of(cls, resources: Resources) -> Demand:
+        """The demand of ``resources`` (``gpus_per_trial: auto``: one GPU per process)."""
+        value = resources.gpus_per_trial
+        if resources.share > 1:
+            count = 1
+        elif isinstance(value, int):
+            count = value
+        else:
+            count = resources.processes_per_trial or 1
+        return cls(count, resources.share, count)
+
+    def restrictions(self, offered: Sequence[str]) -> dict[str, float]:
+        """The Dask resources a trial asks for, of those the workers ``offered``."""
+        wanted = {"GPU": self.gpus / self.share * (1 - 1e-9) if self.share > 1 else float(self.gpus),
+                  "CPU": float(self.processes)}
+        return {name: amount for name, amount in wanted.items() if name in offered}
+
+    def at_once(self, nthreads: int, resources: Mapping[str, float], restricted: Sequence[str]) -> int:
+        """How many trials a worker with ``nthreads`` threads and ``resources`` runs at once."""
+        count = nthreads
+        for name, amount in self.restrictions(restricted).items():
+            count = min(count, int(resources.get(name, 0.0) / amount + 1e-6))
+        return max(0, count)
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """How every trial task of one executor runs on its worker.
+
+    Args:
+        topic: the executor's event topic.
+        demand: what each trial takes.
+        restricted: the Dask resources that trials ask for (``GPU``, ``CPU``).
+        shared: whether the workers see the trial folders (None: each task checks).
+        scheduler_lost_s: seconds without the scheduler before a trial is interrupted.
+    """
+
+    topic: str
+    demand: Demand
+    restricted: tuple[str, ...]
+    shared: bool | None
+    scheduler_lost_s: float
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """What a trial task returns.
+
+    Args:
+        result: how the trial ended.
+        worker: the Dask worker that ran it.
+        gpus: the GPU ids it ran on.
+        shared: whether it ran in the trial's own folder (else in scratch space).
+        chunks: log chunks sent as events.
+        rest: the end of the log that no event carried.
+    """
+
+    result: TrialResult
+    worker: str
+    gpus: tuple[int, ...] = ()
+    shared: bool = True
+    chunks: int = 0
+    rest: str = ""
+
+
+def _names(token: str) -> tuple[str, str, str]:
+    """The task key, end-request Variable and first-start Event of the trial ``token``."""
+    return f"hpo-trial-{token}", f"hpo-end-{token}", f"hpo-start-{token}"
+
+
+# --- the worker's side ------------------------------------------------------------------
+
+
+def worker_gpus() -> tuple[int, ...]:
+    """GPU ids of the worker's machine: ``HPO_GPUS``, else ``CUDA_VISIBLE_DEVICES`` when it
+    lists ids (a batch system's allocation), else what nvidia-smi shows."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if GPU_ENV not in os.environ and visible is not None:
+        parts = [part.strip() for part in visible.split(",") if part.strip()]
+        if all(part.isdigit() for part in parts):
+            return tuple(int(part) for part in parts)
+    return detect_gpus()
+
+
+class GpuPool:
+    """The GPUs of one worker process, lent to the trials it runs at once: each GPU to one
+    trial, or to ``share`` trials of a fraction ``1/share``."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = tuple(ids)
+        self._use = dict.fromkeys(self.ids, 0)
+        self._changed = threading.Condition()
+
+    def take(self, count: int, share: int) -> tuple[int, ...]:
+        """``count`` GPUs, the least used first; waits while other trials hold them.
+
+        Raises ValueError when the machine has fewer than ``count`` GPUs.
+        """
+        if count > len(self.ids):
+            raise ValueError(f"a trial needs {count} GPUs; this Dask worker's machine has {len(self.ids)} "
+                             f"({GPU_ENV}, CUDA_VISIBLE_DEVICES or nvidia-smi)")
+        with self._changed:
+            while True:
+                free = sorted((i for i in self.ids if self._use[i] < share), key=lambda i: (self._use[i], i))
+                if len(free) >= count:
+                    for gpu in free[:count]:
+                        self._use[gpu] += 1
+                    return tuple(sorted(free[:count]))
+                self._changed.wait()
+
+    def give_back(self, gpus: Sequence[int]) -> None:
+        """Return GPUs that :meth:`take` lent."""
+        with self._changed:
+            for gpu in gpus:
+                self._use[gpu] -= 1
+            self._changed.notify_all()
+
+
+_POOL: GpuPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def gpu_pool() -> GpuPool:
+    """This worker process's pool of GPUs (detected once)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = GpuPool(worker_gpus())
+        return _POOL
+
+
+def _first_start(client: Client, token: str) -> bool:
+    """Mark the trial started; False if it had started before (on a worker that died)."""
+    event = Event(_names(token)[2], client=client)
+    if event.is_set():
+        return False
+    event.set()
+    return True
+
+
+def _trial_folder(spec: TrialSpec, worker: Worker, shared: bool | None) -> tuple[Path, bool]:
+    """Where the trial runs on this worker, and whether that is its own folder."""
+    if shared is None:
+        try:
+            shared = (spec.folder / MARKER).read_text() == spec.token
+        except OSError:
+            shared = False
+    if shared:
+        return spec.folder, True
+    digest = hashlib.sha1(spec.token.encode()).hexdigest()[:12]
+    return Path(worker.local_directory) / "hpo-trials" / f"{spec.folder.name}-{digest}", False
+
+
+class _Courier:
+    """The worker's side of one running trial: sends its events, ships its log, and reads
+    what should end it (in a thread, so that a slow scheduler never delays the trial)."""
+
+    def __init__(self, worker: Worker, client: Client, spec: TrialSpec, options: TaskOptions,
+                 log: Path | None) -> None:
+        self._worker = worker
+        self._topic = options.topic
+        self._token = spec.token
+        self._key = worker.get_current_task()
+        self._end = Variable(_names(spec.token)[1], client=client)
+        self._lost_s = options.scheduler_lost_s
+        self._log = log
+        self._offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chunks = 0
+        self._request: str | None = None
+        self._heard = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"hpo-courier-{spec.number}", daemon=True)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """An event for the sweep."""
+        self._worker.log_event(self._topic, {"token": self._token, "kind": kind, **fields})
+
+    def start(self) -> None:
+        """Start shipping and reading."""
+        self._thread.start()
+
+    def end_request(self) -> str | None:
+        """What should end the trial: the sweep's request, or ``interrupted`` when its task
+        was cancelled or the scheduler has not answered for ``scheduler_lost_s``."""
+        state = self._worker.state.tasks.get(self._key)
+        if state is None or state.state not in RUNNING_STATES:
+            return "interrupted"
+        if self._request is None and time.monotonic() - self._heard > self._lost_s:
+            return "interrupted"
+        return self._request
+
+    def stop(self) -> str:
+        """Stop the thread; return the log's end that was not shipped."""
+        self._done.set()
+        self._thread.join()
+        return self._read(final=True)
+
+    def _loop(self) -> None:
+        polled = 0.0
+        while not self._done.wait(SHIP_S):
+            text = self._read(final=False)
+            if text:
+                self.send("log", seq=self.chunks, text=text)
+                self.chunks += 1
+            if time.monotonic() - polled >= POLL_S:
+                polled = time.monotonic()
+                self._poll()
+
+    def _poll(self) -> None:
+        try:
+            value = self._end.get(timeout=POLL_S * 4)
+        except TimeoutError:  # the sweep no longer knows the trial (its scheduler restarted)
+            self._request = "interrupted"
+            return
+        except Exception:  # unreachable for now; end_request judges for how long
+            logger.debug("cannot read %s", self._end.name, exc_info=True)
+            return
+        self._heard = time.monotonic()
+        self._request = str(value) or None
+
+    def _read(self, final: bool) -> str:
+        """New log text (up to CHUNK_BYTES unless ``final``); empty when the log stays here."""
+        if self._log is None or not self._log.exists():
+            return ""
+        with self._log.open("rb") as handle:
+            handle.seek(self._offset)
+            data = handle.read() if final else handle.read(CHUNK_BYTES)
+        self._offset += len(data)
+        return self._decoder.decode(data, final=final)
+
+
+class _WorkerControl:
+    """:class:`~hpo.executor.TrialControl` on the worker: events out, the courier's requests in."""
+
+    def __init__(self, courier: _Courier, place: Mapping[str, Any]) -> None:
+        self._courier = courier
+        self._place = place
+
+    def started(self, gpus: Sequence[int]) -> None:
+        self._courier.send("started", gpus=list(gpus), **self._place)
+
+    def intermediate(self, step: int, value: float) -> bool:
+        self._courier.send("value", step=step, value=value)
+        return False
+
+    def end_request(self) -> str | None:
+        return self._courier.end_request()
+
+
+def trial_threads(worker: Worker, options: TaskOptions) -> int:
+    """Threads per process of a trial: the worker machine's cores divided among the trials
+    the worker runs at once."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    demand = options.demand
+    at_once = demand.at_once(worker.state.nthreads, worker.state.total_resources, options.restricted) or 1
+    return max(1, cpus // (at_once * demand.processes))
+
+
+def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
+    """The Dask task of one trial (see the module docstring); runs on a worker."""
+    worker = get_worker()
+    client = get_client()
+    if not _first_start(client, spec.token):
+        return TaskReport(TrialResult(Outcome.LOST, reason="lost: the Dask worker that ran it died"), worker.address)
+    folder, shared = _trial_folder(spec, worker, options.shared)
+    pool = gpu_pool()
+    demand = options.demand
+    try:
+        gpus = pool.take(demand.gpus, demand.share) if pool.ids else ()
+    except ValueError as exc:
+        return TaskReport(TrialResult(Outcome.FAIL, reason=str(exc)), worker.address)
+    try:
+        slot = replace(spec.slot, gpus=gpus, threads=trial_threads(worker, options),
+                       share=demand.share if gpus else 1)
+        write_files(folder, spec.files)
+        with (folder / LOG_FILE).open("a") as log:
+            log.write(f"hpo: runs on Dask worker {worker.address} (host {socket.gethostname()}, "
+                      f"{slot.describe()}, folder {folder})\n")
+        courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
+        courier.start()
+        try:
+            place = {"worker": worker.address, "host": socket.gethostname(), "folder": str(folder),
+                     "shared": shared}
+            result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder)
+        finally:
+            rest = courier.stop()
+    finally:
+        if gpus:
+            pool.give_back(gpus)
+    return TaskReport(result, worker.address, gpus, shared, courier.chunks, rest)
+
+
+# --- the sweep's side -------------------------------------------------------------------
+
+
+class _Watch:
+    """A thread of the executor that watches the scheduler and the workers it knows."""
+
+    def __init__(self, client: Client, address: str) -> None:
+        self._client = client
+        self._address = address
+        self.workers: frozenset[str] = frozenset()
+        self.gone: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpo-dask-watch", daemon=True)
+        self.refresh()
+        self._thread.start()
+
+    def refresh(self) -> None:
+        """Read the scheduler's status and workers now."""
+        if self._client.status in ("closing", "closed"):
+            self.gone = f"the Dask scheduler at {self._address} is gone"
+            return
+        try:
+            self.workers = frozenset(self._client.scheduler_info()["workers"])
+        except Exception:  # unreachable for now: the client's own timeout decides when it is gone
+            logger.debug("cannot read the workers of %s", self._address, exc_info=True)
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._done.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._done.wait(WATCH_S):
+            self.refresh()
+
+
+class DaskExecutor:
+    """Runs each trial as a task on a Dask cluster (see the module docstring).
+
+    Args:
+        client: a client connected to the cluster's scheduler.
+        resources: the scenario's resources (what a trial takes).
+        offered: the Dask resources of the workers (``GPU``, ``CPU``) that trials ask for;
+            None: those the workers connected now offer.
+        shared: whether the workers see this machine's trial folders; None: each trial checks.
+        owned: what else :meth:`close` closes (a cluster hpo started), after the client.
+        scheduler_lost_s: seconds a worker runs a trial on without hearing from the scheduler.
+        capacity: trials the cluster runs at once (None: what its workers connected now take).
+    """
+
+    def __init__(self, client: Client, resources: Resources, offered: Sequence[str] | None = None,
+                 shared: bool | None = None, owned: Sequence[Any] = (),
+                 scheduler_lost_s: float = SCHEDULER_LOST_S, capacity: int | None = None) -> None:
+        self.client = client
+        self.address = str(client.scheduler.address)
+        self.demand = Demand.of(resources)
+        self._resources = resources
+        if offered is None:
+            infos = client.scheduler_info()["workers"].values()
+            offered = sorted({name for info in infos for name in info.get("resources", {})})
+        restricted = tuple(name for name in ("GPU", "CPU") if name in offered)
+        self.options = TaskOptions(f"hpo-{client.id}", self.demand, restricted, shared, scheduler_lost_s)
+        self._owned = tuple(owned)
+        self._capacity = capacity
+        self._events: dict[str, queue.Queue[Any]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        client.subscribe_topic(self.options.topic, self._on_event)
+        self.watch = _Watch(client, self.address)
+
+    def capacity(self) -> int:
+        """Trials the cluster runs at once (given, or what the workers connected now take)."""
+        if self._capacity is not None:
+            return self._capacity
+        infos = self.client.scheduler_info()["workers"].values()
+        return sum(self.demand.at_once(info["nthreads"], info.get("resources", {}), self.options.restricted)
+                   for info in infos)
+
+    def plan(self, parallel: int | None = None, at_least: int = 1) -> tuple[Slot, ...]:
+        """The sweep's slots: ``parallel``, else ``resources.parallel`` when set to a number,
+        else the cluster's :meth:`capacity`; at least ``at_least``."""
+        if parallel is None and "parallel" in self._resources.model_fields_set:
+            parallel = self._resources.parallel if isinstance(self._resources.parallel, int) else None
+        count = max(at_least, parallel if parallel is not None else self.capacity())
+        return tuple(Slot(i, (), self.demand.processes, 1, self.demand.share) for i in range(count))
+
+    def describe(self, slots: Sequence[Slot]) -> str:
+        """``4 slots on the Dask cluster at tcp://...: 1 process on 1/2 of a GPU each``."""
+        demand = self.demand
+        each = _plural(demand.processes, "process")
+        if "GPU" in self.options.restricted:
+            each += f" on 1/{demand.share} of a GPU" if demand.share > 1 else f" on {_plural(demand.gpus, 'GPU')}"
+        return f"{_plural(len(slots), 'slot')} on the Dask cluster at {self.address}: {each} each"
+
+    def _on_event(self, event: tuple[float, Mapping[str, Any]]) -> None:
+        message = event[1]
+        with self._lock:
+            target = self._events.get(str(message.get("token")))
+        if target is not None:
+            target.put(message)
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        """See :class:`~hpo.executor.Executor`; raises ExecutorUnavailable when the scheduler is gone."""
+        if self.watch.gone:
+            raise ExecutorUnavailable(self.watch.gone)
+        key, end, start = _names(spec.token)
+        write_files(spec.folder, spec.files)
+        (spec.folder / MARKER).write_text(spec.token)
+        events: queue.Queue[Any] = queue.Queue()
+        with self._lock:
+            self._events[spec.token] = events
+        try:
+            try:
+                Variable(end, client=self.client).set("")
+                future = self.client.submit(run_task, spec, self.options, key=key, pure=False, retries=0,
+                                            resources=self.demand.restrictions(self.options.restricted))
+            except Exception as exc:
+                if not self.connected():
+                    raise ExecutorUnavailable(f"the Dask scheduler at {self.address} is gone") from exc
+                raise
+            future.add_done_callback(lambda _: events.put(_DONE))
+            return _Following(self, spec, control, future, events).result()
+        finally:
+            with self._lock:
+                self._events.pop(spec.token, None)
+            self._forget(end, start)
+            (spec.folder / MARKER).unlink(missing_ok=True)
+
+    def connected(self) -> bool:
+        """Whether the client is connected, waiting while it reconnects (Dask's own timeout)."""
+        deadline = time.monotonic() + self.options.scheduler_lost_s + 2 * WATCH_S
+        while self.client.status not in ("running", "closing", "closed") and time.monotonic() < deadline:
+            time.sleep(CHECK_S)
+        return self.client.status == "running"
+
+    def _forget(self, end: str, start: str) -> None:
+        """Drop the trial's Variable and Event on the scheduler (when it is there)."""
+        if self.client.status != "running":
+            return
+        try:
+            Variable(end, client=self.client).delete()
+            Event(start, client=self.client).clear()
+        except Exception:  # the scheduler went away meanwhile: nothing is left to drop
+            logger.debug("cannot drop the Variable and Event of %s", end, exc_info=True)
+
+    def close(self) -> None:
+        """Stop watching, disconnect, and close what the executor owns (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watch.stop()
+        if self.client.status == "running":
+            self.client.unsubscribe_topic(self.options.topic)
+        self.client.close()
+        for thing in self._owned:
+            thing.close()
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{('es' if word.endswith('s') else 's') if count != 1 else ''}"
+
+
+class _Following:
+    """The sweep's side of one trial task: passes its events on, forwards end requests,
+    writes its log here when it runs elsewhere, and collects its result."""
+
+    def __init__(self, executor: DaskExecutor, spec: TrialSpec, control: TrialControl, future: Any,
+                 events: queue.Queue[Any]) -> None:
+        self._executor = executor
+        self._spec = spec
+        self._control = control
+        self._future = future
+        self._events = events
+        self._asked: str | None = None
+        self._asked_at = 0.0
+        self._worker: str | None = None
+        self._missing_since: float | None = None
+        self._started = False
+        self._chunks = 0
+        self._verdict: TrialResult | None = None
+
+    def result(self) -> TrialResult:
+        """Follow the task to its end; how the trial ended."""
+        while self._verdict is None:
+            try:
+                item = self._events.get(timeout=CHECK_S)
+            except queue.Empty:
+                item = None
+            if item is _DONE:
+                return self._finish()
+            if item is not None:
+                self._handle(item)
+            self._check()
+        self._note(f"hpo: {self._verdict.reason}\n")
+        return self._verdict
+
+    def _handle(self, message: Mapping[str, Any]) -> None:
+        kind = message.get("kind")
+        if kind == "started" and not self._started:
+            self._started = True
+            self._worker = str(message.get("worker", ""))
+            self._control.started(tuple(message.get("gpus", ())))
+        elif kind == "value" and self._control.intermediate(int(message["step"]), float(message["value"])):
+            self._ask("pruned")
+        elif kind == "log":
+            self._chunks += 1
+            self._note(str(message.get("text", "")))
+
+    def _note(self, text: str) -> None:
+        """Append to the trial's log here (only used when the trial ran elsewhere)."""
+        if text:
+            with (self._spec.folder / LOG_FILE).open("a") as log:
+                log.write(text)
+
+    def _ask(self, request: str) -> None:
+        if self._asked in (None, "pruned") and request != self._asked:
+            self._asked, self._asked_at = request, time.monotonic()
+            try:
+                Variable(_names(self._spec.token)[1], client=self._executor.client).set(request)
+            except Exception:  # the scheduler is gone: _check ends the trial
+                logger.debug("cannot ask for %s", request, exc_info=True)
+
+    def _check(self) -> None:
+        """End requests out; a vanished worker or scheduler ends the trial here."""
+        request = self._control.end_request()
+        if request is not None:
+            self._ask(request)
+        watch = self._executor.watch
+        if watch.gone:
+            raise ExecutorUnavailable(watch.gone)
+        now = time.monotonic()
+        if self._asked == "interrupted" and now - self._asked_at > INTERRUPT_GRACE_S:
+            self._cancel(TrialResult(Outcome.INTERRUPTED, reason="interrupted: the sweep was stopped; its Dask task "
+                                     "did not answer; it runs again on resume"))
+        elif self._worker is not None:
+            self._missing_since = None if self._worker in watch.workers else self._missing_since or now
+            if self._missing_since is not None and now - self._missing_since > LOST_GRACE_S:
+                self._cancel(TrialResult(Outcome.LOST, reason=f"lost: its Dask worker {self._worker} is gone"))
+
+    def _cancel(self, verdict: TrialResult) -> None:
+        self._future.cancel()
+        self._verdict = verdict
+
+    def _finish(self) -> TrialResult:
+        try:
+            report: TaskReport = self._future.result()
+        except KilledWorker as exc:
+            return TrialResult(Outcome.LOST, reason=f"lost: Dask workers died running it ({exc})")
+        except CancelledError as exc:
+            if not self._executor.connected():
+                raise ExecutorUnavailable(f"the Dask scheduler at {self._executor.address} is gone") from exc
+            verdict = TrialResult(Outcome.INTERRUPTED, reason="interrupted: the Dask scheduler dropped its task "
+                                  "(restarted?); it runs again")
+            self._note(f"hpo: {verdict.reason}\n")
+            return verdict
+        if report.result.outcome is Outcome.LOST:
+            self._note(f"hpo: {report.result.reason} (worker {self._worker})\n")
+            return report.result
+        if not self._started:
+            self._control.started(report.gpus)
+        if report.shared:
+            return report.result
+        self._drain(report.chunks)
+        self._note(report.rest)
+        return save_result(self._spec.folder, self._spec.number, report.result)
+
+    def _drain(self, chunks: int) -> None:
+        """Wait (a little) for the log chunks still on their way."""
+        deadline = time.monotonic() + LOG_DRAIN_S
+        while self._chunks < chunks and time.monotonic() < deadline:
+            try:
+                item = self._events.get(timeout=CHECK_S)
+            except queue.Empty:
+                continue
+            if isinstance(item, Mapping) and item.get("kind") == "log":
+                self._handle(item)
+        if self._chunks < chunks:
+            self._note(f"hpo: {chunks - self._chunks} chunks of this log were lost on the way from the worker\n")
+
+
+def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None = None,
+                 shared: bool | None = None, say: Callable[[str], None] = print) -> DaskExecutor:
+    """A :class:`DaskExecutor` on ``cluster``: the Dask scheduler at its address (after its
+    first worker joined), or batch jobs that dask-jobqueue starts as the sweep needs them.
+
+    ``timeout`` bounds connecting and reconnecting: a scheduler unreachable for that long
+    is gone (default: Dask's ``distributed.comm.timeouts.connect``). Raises
+    ExecutorUnavailable when it cannot be reached, InputError when a batch job cannot run
+    one trial.
+    """
+    if timeout is None:
+        timeout = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
+    if cluster.address is None:
+        return _batch_jobs(cluster, resources, timeout, shared)
+    address = cluster.address
+    try:
+        client = Client(address, timeout=timeout, set_as_default=False)
+    except (OSError, TimeoutError) as exc:
+        raise ExecutorUnavailable(f"cannot reach the Dask scheduler at {address}: {exc}") from exc
+    if not client.scheduler_info()["workers"]:
+        say(f"waiting for a Dask worker to join the scheduler at {address}")
+        client.wait_for_workers(1)
+    return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout)
+
+
+def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None) -> DaskExecutor:
+    from hpo import jobqueue
+
+    per_job = jobqueue.trials_per_job(cluster, resources)
+    if per_job < 1:
+        demand = Demand.of(resources)
+        raise InputError(f"resources.cluster: a job of {cluster.cores} cores and {cluster.gpus} GPUs cannot run a "
+                         f"trial of {_plural(demand.processes, 'process')} on "
+                         f"{'1/' + str(demand.share) if demand.share > 1 else demand.gpus} GPUs")
+    jobs = jobqueue.start(cluster, resources)
+    client = Client(jobs, timeout=timeout, set_as_default=False)
+    offered = ("CPU", "GPU") if cluster.gpus else ("CPU",)
+    return DaskExecutor(client, resources, offered, shared, owned=(jobs,), scheduler_lost_s=timeout,
+                        capacity=cluster.jobs * per_job)

@@ -1,0 +1,140 @@
+"""Dask workers as batch jobs (Slurm, PBS, SGE, LSF, HTCondor) through dask-jobqueue.
+
+``resources.cluster`` as a mapping (:class:`hpo.scenario.Cluster`) becomes a dask-jobqueue
+cluster whose scheduler runs inside ``hpo run``. Each job runs one Dask worker that offers
+its cores and GPUs as the Dask resources ``CPU`` and ``GPU``, so that it runs as many
+trials at once as they allow. hpo scales the jobs to the trials waiting or running
+(:class:`TrialAdaptive`, at most ``jobs``) and cancels them when the sweep ends.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dask.utils import parse_bytes
+from distributed.deploy import Adaptive
+
+from hpo.errors import InputError
+from hpo.scenario import Cluster, Resources
+
+CLUSTER_CLASSES = {"slurm": "SLURMCluster", "pbs": "PBSCluster", "sge": "SGECluster", "lsf": "LSFCluster",
+                   "htcondor": "HTCondorCluster"}
+UNFINISHED = frozenset({"waiting", "queued", "no-worker", "processing"})
+
+
+def trials_per_job(spec: Cluster, resources: Resources) -> int:
+    """How many trials one job runs at once: its GPUs divided among trials (a share of a
+    GPU counts as one), else its cores divided among the trials' processes."""
+    from hpo.dask_executor import Demand
+
+    demand = Demand.of(resources)
+    assert spec.cores is not None
+    by_cores = spec.cores // demand.processes
+    if spec.gpus:
+        return min(spec.gpus * demand.share // demand.gpus, by_cores)
+    return by_cores
+
+
+def job_options(spec: Cluster) -> dict[str, Any]:
+    """The dask-jobqueue keyword arguments of ``spec`` (one worker process per job).
+
+    GPUs are asked for the usual way of each scheduler (``--gres=gpu:N``, ``ngpus=N``,
+    ``-l gpu=N``, ``-gpu num=N``, ``request_gpus``); ``job_extra`` adds any other directive.
+    Raises InputError for a key the scheduler has no place for.
+    """
+    kind = spec.kind
+    assert kind is not None and spec.cores is not None and spec.memory is not None
+    resources = f"CPU={spec.cores}" + (f",GPU={spec.gpus}" if spec.gpus else "")
+    options: dict[str, Any] = {
+        "cores": spec.cores, "memory": spec.memory, "processes": 1,
+        "worker_extra_args": ["--resources", resources],
+        "job_script_prologue": list(spec.setup),
+    }
+    if spec.interface:
+        options["interface"] = spec.interface
+    extra = list(spec.job_extra)
+    if kind == "htcondor":
+        for key in ("walltime", "queue", "account"):
+            if getattr(spec, key) is not None:
+                raise InputError(f"resources.cluster.{key}: HTCondor jobs have no {key}; use job_extra "
+                                 "(\"key = value\" lines)")
+        directives = dict(_condor_line(line) for line in extra)
+        if spec.gpus:
+            directives.setdefault("request_gpus", str(spec.gpus))
+        options.update(job_extra_directives=directives, disk=spec.disk)
+        return options
+    if spec.walltime is not None:
+        options["walltime"] = spec.walltime
+    if spec.queue is not None:
+        options["queue"] = spec.queue
+    if spec.account is not None:
+        options["project" if kind in ("sge", "lsf") else "account"] = spec.account
+    if spec.gpus:
+        if kind == "slurm":
+            extra.insert(0, f"--gres=gpu:{spec.gpus}")
+        elif kind == "pbs":
+            from dask_jobqueue.pbs import pbs_format_bytes_ceil
+
+            memory = pbs_format_bytes_ceil(parse_bytes(spec.memory))
+            options["resource_spec"] = f"select=1:ncpus={spec.cores}:ngpus={spec.gpus}:mem={memory}"
+        elif kind == "sge":
+            extra.insert(0, f"-l gpu={spec.gpus}")
+        else:
+            extra.insert(0, f'-gpu "num={spec.gpus}"')
+    options["job_extra_directives"] = extra
+    return options
+
+
+def _condor_line(line: str) -> tuple[str, str]:
+    key, sep, value = line.partition("=")
+    if not sep or not key.strip():
+        raise InputError(f"resources.cluster.job_extra: HTCondor directives are \"key = value\" lines, got {line!r}")
+    return key.strip(), value.strip()
+
+
+def make_cluster(spec: Cluster, dashboard: bool = True) -> Any:
+    """A dask-jobqueue cluster of ``spec`` with no job yet (its scheduler runs in this process,
+    with Dask's dashboard when ``dashboard``)."""
+    import dask_jobqueue
+
+    assert spec.kind is not None
+    cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind])
+    return cls(**job_options(spec), scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
+
+
+def job_script(spec: Cluster) -> str:
+    """The job script hpo would submit for ``spec`` (dask-jobqueue's ``job_script()``)."""
+    cluster = make_cluster(spec, dashboard=False)
+    try:
+        return str(cluster.job_script())
+    finally:
+        cluster.close()
+
+
+class TrialAdaptive(Adaptive):
+    """Dask's adaptive scaling, aimed at the trials waiting or running: ``ceil(trials /
+    per_job)`` jobs, idle jobs released (as Dask releases them: after ``wait_count`` checks).
+
+    Args:
+        cluster: the dask-jobqueue cluster (its scheduler runs in this process).
+        per_job: trials one job runs at once.
+        **kwargs: Dask's :class:`~distributed.deploy.Adaptive` arguments.
+    """
+
+    def __init__(self, cluster: Any, per_job: int, **kwargs: Any) -> None:
+        super().__init__(cluster, **kwargs)
+        self._per_job = per_job
+
+    async def target(self) -> int:
+        """Jobs for the trial tasks that have not finished (the scheduler's own count)."""
+        scheduler = self.cluster.scheduler
+        unfinished = sum(1 for task in scheduler.tasks.values() if task.state in UNFINISHED)
+        return math.ceil(unfinished / self._per_job)
+
+
+def start(spec: Cluster, resources: Resources) -> Any:
+    """Start the cluster of ``spec`` with :class:`TrialAdaptive` scaling up to ``spec.jobs``."""
+    cluster = make_cluster(spec)
+    cluster.adapt(Adaptive=TrialAdaptive, minimum_jobs=0, maximum_jobs=spec.jobs,
+                  per_job=max(1, trials_per_job(spec, resources)))
+    return cluster
