@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -61,6 +62,10 @@ def local_path(url: str) -> Path | None:
     return sqlite_path(url) or journal_path(url)
 
 
+_CREATE_ATTEMPTS = 5
+_CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate key value", re.IGNORECASE)
+
+
 def check_url(url: str) -> None:
     """Raise InputError naming ``--storage`` unless ``url`` is of a scheme hpo can open."""
     scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
@@ -88,8 +93,16 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     else:
         kwargs["pool_pre_ping"] = True
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
-                                          skip_table_creation=not create)
+        for attempt in range(_CREATE_ATTEMPTS):
+            try:
+                return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
+                                                  skip_table_creation=not create)
+            except Exception as exc:
+                # Another process (a second worker, optuna-dashboard) created the schema between
+                # SQLAlchemy's check and its CREATE or INSERT: it exists now, so open again.
+                if not (create and _CREATE_RACE.search(str(exc))) or attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
     except ImportError as exc:
         raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None

@@ -4,20 +4,20 @@ Every test runs the real ``hpo`` CLI in subprocesses on fast templates (no torch
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-import optuna
 import psutil
 import pytest
 from conftest import cli_env, run_hpo
-from optuna.trial import TrialState
 
 from hpo.launch import TOKEN_ENV
 
@@ -92,15 +92,17 @@ def wait_for(predicate: object, timeout: float = 60) -> None:
 
 
 def running_trials(path: Path) -> list[str]:
-    """Numbers of the trials the store shows as RUNNING (read in-process: polled often)."""
+    """Numbers of the trials the store shows as RUNNING (read in-process and read-only: polled
+    often, and never racing the run to create the store's tables)."""
     database = path.parent / "runs" / "sweep" / "study.db"
     if not database.exists():
         return []
     try:
-        study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{database}")
-    except Exception:  # the run is still creating the store
+        with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=10)) as conn:
+            rows = conn.execute("SELECT number FROM trials WHERE state = 'RUNNING'").fetchall()
+    except sqlite3.OperationalError:  # the run is still creating the store
         return []
-    return [str(t.number) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+    return [str(number) for (number,) in rows]
 
 
 def test_kill_9_then_rerun_finishes_exactly_the_budget(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from hpo import designs
-from hpo.executor import _save
+from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, recover_stale
 from hpo.scenario import load_scenario
@@ -102,7 +102,7 @@ def test_a_result_left_in_the_folder_is_recorded(tmp_path: Path, write_scenario:
     scheduler = make(tmp_path, write_scenario)
     c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
     c.folder.mkdir(parents=True)
-    _save(c.folder, c.number, TrialResult(Outcome.COMPLETE, 0.125, {"test_error": 0.25}, 3.0))
+    save_result(c.folder, c.number, TrialResult(Outcome.COMPLETE, 0.125, {"test_error": 0.25}, 3.0))
     recover(scheduler, tmp_path)
     row = scheduler.store.rows()[0]
     assert (row.outcome, row.value, dict(row.held_out), row.duration_s) == (

@@ -169,7 +169,7 @@ def test_a_range_of_one_value_is_a_constant(tmp_path: Path, write_scenario: Call
                                                 "b": {"type": "float", "low": 2.0, "high": 2.0}})
     run = run_cli("run", path)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3/3 trials finished (3 complete)" in run.stdout
+    assert "3/3 trials done: 3 complete." in run.stdout
     assert space.config_space(load_scenario(path).parameters)["b"].value == 2.0
 
 

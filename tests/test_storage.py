@@ -195,3 +195,24 @@ def test_retrying_passes_other_errors_through() -> None:
 
     with pytest.raises(KeyError):
         call(broken)
+
+
+def _create_tables(database: Path, ready: Any) -> None:
+    ready.wait()
+    open_storage(f"sqlite:///{database}")
+
+
+def test_processes_creating_one_store_at_once_all_open_it(tmp_path: Path) -> None:
+    """A worker, a reader and optuna-dashboard may all create the tables of a new store at
+    the same moment: every one of them opens it."""
+    database = tmp_path / "study.db"
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    processes = [context.Process(target=_create_tables, args=(database, ready)) for _ in range(4)]
+    for process in processes:
+        process.start()
+    ready.set()
+    for process in processes:
+        process.join(timeout=120)
+    assert [process.exitcode for process in processes] == [0, 0, 0, 0]
+    optuna.create_study(study_name="after", storage=open_storage(f"sqlite:///{database}", create=False))
