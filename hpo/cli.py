@@ -465,7 +465,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C ends it."""
+    """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it (exit 0)."""
     try:
         from optuna_dashboard import run_server
     except ImportError:
@@ -474,9 +474,15 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     store = _store(ctx)
     print(f"optuna-dashboard on http://{args.host}:{args.port}/dashboard/ (study {ctx.scenario.name}); "
           "Ctrl-C ends it", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # even where the shell started us with SIGINT ignored
+        signal.signal(sig, _interrupt)
     with contextlib.suppress(KeyboardInterrupt):
         run_server(store.optuna_storage, host=args.host, port=args.port)
     return EXIT_OK
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
