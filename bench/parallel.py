@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from hpo.scenario import load_scenario
-from hpo.store import open_study, storage_url, trial_rows
+from hpo.storage import storage_url
+from hpo.store import StudyStore
 
 HARTMANN6_MIN = -3.32237
 TEMPLATE = textwrap.dedent("""\
@@ -53,7 +54,7 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     if run.returncode != 0:
         raise SystemExit(f"hpo run failed:\n{run.stdout}\n{run.stderr}")
     scenario = load_scenario(scenario_path)
-    rows = trial_rows(open_study(scenario, storage_url(scenario), create=False))
+    rows = StudyStore(scenario, storage_url(scenario), create=False).rows()
     values = [row.value for row in rows if row.value is not None]
     configs = [tuple(round(row.params[f"x{i}"], 12) for i in range(6)) for row in rows]
     assert len(rows) == trials, f"{len(rows)} trials instead of {trials}"
