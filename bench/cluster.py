@@ -65,11 +65,14 @@ def local_dask(folder: Path, workers: int) -> Iterator[str]:
     """A Dask scheduler and ``workers`` one-thread workers on this machine; yields its address."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
+    folder.mkdir(parents=True, exist_ok=True)
     file = folder / "scheduler.json"
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                                "--scheduler-file", str(file)], env=env, stderr=subprocess.DEVNULL)]
     try:
         while not file.exists() or not file.read_text().strip():
+            if procs[0].poll() is not None:
+                raise SystemExit(f"the Dask scheduler exited with code {procs[0].returncode}")
             time.sleep(0.05)
         address = json.loads(file.read_text())["address"]
         for index in range(workers):

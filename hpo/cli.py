@@ -620,7 +620,7 @@ def _quiet_optuna() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpo`` console script; returns the exit code."""
-    from hpo.executor import ExecutorUnavailable
+    from hpo.errors import ExecutorUnavailable
     from hpo.storage import StoreUnavailable
 
     _quiet_optuna()

@@ -43,8 +43,8 @@ from dask.utils import parse_timedelta
 from distributed import CancelledError, Client, Event, KilledWorker, Variable, get_client, get_worker
 from distributed.worker import Worker
 
-from hpo.errors import InputError
-from hpo.executor import ExecutorUnavailable, TrialControl, TrialSpec, run_trial, save_result
+from hpo.errors import ExecutorUnavailable, InputError
+from hpo.executor import TrialControl, TrialSpec, run_trial, save_result
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, write_files

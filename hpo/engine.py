@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from hpo import designs, space
-from hpo.errors import InputError
-from hpo.executor import Executor, ExecutorUnavailable, LocalExecutor, TrialSpec
+from hpo.errors import ExecutorUnavailable, InputError
+from hpo.executor import Executor, LocalExecutor, TrialSpec
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult

@@ -1,4 +1,4 @@
-"""The one exception type that means "the user's input is wrong" (exit code 2)."""
+"""The exceptions the CLI turns into one line: bad input (exit code 2) and an executor that is gone (exit 1)."""
 from __future__ import annotations
 
 
@@ -8,3 +8,8 @@ class InputError(Exception):
     The message is one line that names the field (or file and line) and what is wrong;
     the CLI prints it as ``error: <message>`` and exits with code 2.
     """
+
+
+class ExecutorUnavailable(Exception):
+    """The executor can run no more trials (its Dask scheduler is gone): the sweep stops, its
+    running trials are recorded INTERRUPTED and run again on resume."""

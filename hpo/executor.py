@@ -75,11 +75,6 @@ class TrialControl(Protocol):
         """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
 
 
-class ExecutorUnavailable(Exception):
-    """The executor can run no more trials (its Dask scheduler is gone): the sweep stops, its
-    running trials are recorded INTERRUPTED and run again on resume."""
-
-
 class Executor(Protocol):
     """Runs trials; :meth:`run` may be called from several slot threads at once."""
 
