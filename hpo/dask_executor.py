@@ -332,9 +332,12 @@ class _WorkerControl:
 
 
 def trial_threads(worker: Worker, options: TaskOptions) -> int:
-    """Threads per process of a trial: the worker machine's cores divided among the trials
-    the worker runs at once."""
+    """Threads per process of a trial: the worker's cores (those it may run on, and no more than
+    the ``CPU`` resource it offers: a batch job's cores) divided among the trials it runs at once."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    offered = worker.state.total_resources.get("CPU")
+    if offered:
+        cpus = min(cpus, max(1, int(offered)))
     demand = options.demand
     at_once = demand.at_once(worker.state.nthreads, worker.state.total_resources, options.restricted) or 1
     return max(1, cpus // (at_once * demand.processes))
