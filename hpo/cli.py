@@ -128,7 +128,15 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
     from hpo.scenario import Cluster
 
-    cluster = Cluster(address=args.cluster) if getattr(args, "cluster", None) else ctx.scenario.resources.cluster
+    if getattr(args, "cluster", None):
+        from pydantic import ValidationError
+
+        try:
+            cluster = Cluster(address=args.cluster)
+        except ValidationError as exc:
+            raise InputError(f"--cluster: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    else:
+        cluster = ctx.scenario.resources.cluster
     if cluster is None:
         return None
     import logging

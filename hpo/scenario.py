@@ -269,6 +269,9 @@ def gpu_share(value: float) -> int | None:
     return k if 2 <= k <= MAX_SHARE and abs(value - 1 / k) <= 0.02 / k else None
 
 
+_SCHEDULER_ADDRESS = re.compile(r"(?:(?:tcp|tls|ucx|ws|wss)://)?(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
+
+
 class Cluster(_Frozen):
     """Where trials run when they leave this machine (``resources.cluster``): a Dask scheduler
     at ``address``, or Dask workers that dask-jobqueue starts as batch jobs of ``kind``.
@@ -310,8 +313,9 @@ class Cluster(_Frozen):
     @field_validator("address")
     @classmethod
     def _address(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"\S+", value):
-            raise ValueError(f"expected a Dask scheduler address such as tcp://10.0.0.5:8786, got {value!r}")
+        if value is not None and not _SCHEDULER_ADDRESS.fullmatch(value):
+            raise ValueError(f"expected a Dask scheduler address such as tcp://10.0.0.5:8786 "
+                             f"([tcp|tls|ucx|ws|wss://]HOST:PORT), got {value!r}")
         return value
 
     @field_validator("memory", "disk")
