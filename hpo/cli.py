@@ -111,10 +111,15 @@ def _plan(ctx: Context, at_least: int = 1, parallel: int | None = None, gpus: st
     return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least)
 
 
-def describe_plan(slots: Sequence[Any]) -> str:
-    """``2 slots: 1 process on 1/2 of GPU 0, ...`` in one line."""
+def describe_plan(slots: Sequence[Any], executor: Any = None) -> str:
+    """``2 slots: 1 process on 1/2 of GPU 0, ...`` in one line (as ``executor`` describes its
+    slots where the trials run on a Dask cluster)."""
+    if executor:
+        return executor.describe(slots)
+    from hpo.launch import plural
+
     kinds = sorted({slot.describe() for slot in slots})
-    return f"{len(slots)} slot{'s' if len(slots) != 1 else ''}: {'; '.join(kinds)}"
+    return f"{plural(len(slots), 'slot')}: {'; '.join(kinds)}"
 
 
 def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> Any:
@@ -157,8 +162,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         sweep.prepare()
         signals = _Signals(lambda signum: sweep.stop())
         with signals.installed():
-            plan = executor.describe(slots) if executor else describe_plan(slots)
-            with ProgressView(sweep.store, sweep.budget, plan) as view:
+            with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
                 sweep.run(view)
     finally:
         if executor:
@@ -216,8 +220,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
     signals = _Signals(forward)
     with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, executor.describe(slots) if executor else describe_plan(slots)
-                          ) as view:
+        with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
         codes = [proc.wait() for proc in procs]
     code = signals.exit_code()

@@ -44,7 +44,6 @@ class Codec:
     def __init__(self, params: Mapping[str, Param]) -> None:
         self.params = dict(params)
         self.searched = [name for name, p in self.params.items() if is_searched(p)]
-        self.names = self.searched
         self.dim = len(self.searched)
         self._p = [self.params[name] for name in self.searched]
         self.categorical = np.array([p.type == "categorical" for p in self._p], dtype=bool)

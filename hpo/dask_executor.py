@@ -45,7 +45,7 @@ from distributed.worker import Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
 from hpo.executor import TrialControl, TrialSpec, run_trial, save_result
-from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus
+from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, plural
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, write_files
 from hpo.scenario import Cluster, Resources
@@ -83,14 +83,8 @@ class Demand:
     @classmethod
     def of(cls, resources: Resources) -> Demand:
         """The demand of ``resources`` (``gpus_per_trial: auto``: one GPU per process)."""
-        value = resources.gpus_per_trial
-        if resources.share > 1:
-            count = 1
-        elif isinstance(value, int):
-            count = value
-        else:
-            count = resources.processes_per_trial or 1
-        return cls(count, resources.share, count)
+        gpus, processes = resources.gpus_and_processes
+        return cls(gpus, resources.share, processes)
 
     def restrictions(self, offered: Sequence[str]) -> dict[str, float]:
         """The Dask resources a trial asks for, of those the workers ``offered``."""
@@ -359,7 +353,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     try:
         slot = replace(spec.slot, gpus=gpus, threads=trial_threads(worker, options),
                        share=demand.share if gpus else 1)
-        write_files(folder, spec.files)
+        if not shared:  # in the trial's own folder, the sweep has written them already
+            write_files(folder, spec.files)
         with (folder / LOG_FILE).open("a") as log:
             log.write(f"hpo: runs on Dask worker {worker.address} (host {socket.gethostname()}, "
                       f"{slot.describe()}, folder {folder})\n")
@@ -466,10 +461,10 @@ class DaskExecutor:
     def describe(self, slots: Sequence[Slot]) -> str:
         """``4 slots on the Dask cluster at tcp://...: 1 process on 1/2 of a GPU each``."""
         demand = self.demand
-        each = _plural(demand.processes, "process")
+        each = plural(demand.processes, "process")
         if "GPU" in self.options.restricted:
-            each += f" on 1/{demand.share} of a GPU" if demand.share > 1 else f" on {_plural(demand.gpus, 'GPU')}"
-        return f"{_plural(len(slots), 'slot')} on the Dask cluster at {self.address}: {each} each"
+            each += f" on 1/{demand.share} of a GPU" if demand.share > 1 else f" on {plural(demand.gpus, 'GPU')}"
+        return f"{plural(len(slots), 'slot')} on the Dask cluster at {self.address}: {each} each"
 
     def _on_event(self, event: tuple[float, Mapping[str, Any]]) -> None:
         message = event[1]
@@ -533,10 +528,6 @@ class DaskExecutor:
         self.client.close()
         for thing in self._owned:
             thing.close()
-
-
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{('es' if word.endswith('s') else 's') if count != 1 else ''}"
 
 
 class _Following:
@@ -689,7 +680,7 @@ def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: 
     if per_job < 1:
         demand = Demand.of(resources)
         raise InputError(f"resources.cluster: a job of {cluster.cores} cores and {cluster.gpus} GPUs cannot run a "
-                         f"trial of {_plural(demand.processes, 'process')} on "
+                         f"trial of {plural(demand.processes, 'process')} on "
                          f"{'1/' + str(demand.share) if demand.share > 1 else demand.gpus} GPUs")
     jobs = jobqueue.start(cluster, resources)
     client = Client(jobs, timeout=timeout, set_as_default=False)

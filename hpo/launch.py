@@ -50,9 +50,9 @@ class Slot:
 
     def describe(self) -> str:
         """``2 processes on GPUs 0,1`` / ``1 process on 1/4 of GPU 0`` / ``2 CPU processes``."""
-        what = _plural(self.processes, "process")
+        what = plural(self.processes, "process")
         if not self.gpus:
-            return f"{_plural(self.processes, 'CPU process')} of {_plural(self.threads, 'thread')}"
+            return f"{plural(self.processes, 'CPU process')} of {plural(self.threads, 'thread')}"
         ids = ",".join(map(str, self.gpus))
         if self.share > 1:
             return f"{what} on 1/{self.share} of GPU {ids}"
@@ -72,7 +72,8 @@ def detect_gpus() -> tuple[int, ...]:
     return tuple(int(line) for line in out.split() if line.strip().isdigit())
 
 
-def _plural(count: int, word: str) -> str:
+def plural(count: int, word: str) -> str:
+    """``1 GPU``, ``2 GPUs``, ``2 processes``."""
     return f"{count} {word}{('es' if word.endswith('s') else 's') if count != 1 else ''}"
 
 
@@ -89,21 +90,17 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     wanted = resources.parallel
     share = resources.share
     if ids:
-        if share > 1:
-            per_trial, processes = 1, 1
-        elif resources.gpus_per_trial == "auto":
-            per_trial = min(resources.processes_per_trial or 1, len(ids))
-            processes = per_trial
-        else:
-            per_trial = processes = int(resources.gpus_per_trial)
+        per_trial, processes = resources.gpus_and_processes
+        if resources.gpus_per_trial == "auto":
+            per_trial = processes = min(per_trial, len(ids))
         if len(ids) < per_trial:
             raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but this machine has "
-                             f"{_plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
+                             f"{plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
         room = len(ids) // per_trial * share
         count = room if wanted == "auto" else min(max(wanted, at_least), room)
         if count < at_least:
-            raise InputError(f"--workers {at_least}: this machine runs {_plural(room, 'trial')} at a time "
-                             f"({_plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
+            raise InputError(f"--workers {at_least}: this machine runs {plural(room, 'trial')} at a time "
+                             f"({plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
                              "a fraction such as 0.5 shares GPUs")
         groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(len(ids) // per_trial)]
         assigned = [groups[i % len(groups)] for i in range(count)]

@@ -124,7 +124,7 @@ class SmacSampler(BaseSampler):
         self, study: Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
     ) -> dict[str, Any]:
         """Nothing is sampled relatively; see ``sample_independent``."""
-        self._raise_error_if_multi_objective(study)
+        self._check_single_objective(study)
         return {}
 
     def sample_independent(

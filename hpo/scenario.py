@@ -424,6 +424,17 @@ class Resources(_Frozen):
         value = self.gpus_per_trial
         return gpu_share(value) or 1 if isinstance(value, float) else 1
 
+    @property
+    def gpus_and_processes(self) -> tuple[int, int]:
+        """GPUs and processes of one trial where there are GPUs enough: a share of a GPU is one
+        (shared) GPU and one process, a whole number N is N of each, ``auto`` one GPU for each
+        of ``processes_per_trial`` processes."""
+        if self.share > 1:
+            return 1, 1
+        value = self.gpus_per_trial
+        count = value if isinstance(value, int) else self.processes_per_trial or 1
+        return count, count
+
 
 class Scenario(_Frozen):
     """A validated scenario. Paths are absolute; ``path`` is the scenario file itself."""

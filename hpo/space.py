@@ -1,7 +1,7 @@
 """The search space: one definition (the scenario's parameters) seen three ways.
 
 * define-by-run suggestions on an Optuna trial (:func:`suggest`), which honour conditions;
-* a ConfigSpace space for the random-forest optimizer (:func:`config_space`);
+* a ConfigSpace space, for SMAC3 itself (the benchmarks' baseline; :func:`config_space`);
 * points of the unit cube mapped to values (:func:`from_unit`) for designs of experiments,
   and text coerced to values (:func:`coerce`) for CSV designs.
 
