@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,19 +27,15 @@ from pathlib import Path
 
 from distributed import Client
 
+from bench.overhead import sleepy_scenario
 from hpo.dask_executor import DaskExecutor
 from hpo.engine import Sweep, SweepConfig
 from hpo.executor import Executor, LocalExecutor, TrialControl, TrialSpec
 from hpo.launch import plan_slots
 from hpo.outcome import Outcome, TrialResult
-from hpo.scenario import Scenario, load_scenario
+from hpo.scenario import Scenario
 
 REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = textwrap.dedent("""\
-    import time
-    time.sleep({{ sleep }})
-    print("val_error={{ x }}")
-    """)
 
 
 class Timed:
@@ -84,26 +79,18 @@ def local_dask(folder: Path, workers: int) -> Iterator[str]:
             client.wait_for_workers(workers, timeout=120)
         yield address
     finally:
-        for proc in procs:
+        for proc in reversed(procs):  # the workers first: one whose scheduler is gone may never exit
             proc.terminate()
-        for proc in procs:
-            proc.wait()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def scenario_in(folder: Path, trials: int, sleep: float) -> Scenario:
-    folder.mkdir(parents=True)
-    (folder / "trial.py.j2").write_text(TEMPLATE)
-    (folder / "bench.yaml").write_text(textwrap.dedent(f"""\
-        name: cluster
-        template: trial.py.j2
-        command: python trial.py
-        parameters:
-          x: {{type: float, low: 0, high: 1}}
-          sleep: {{type: constant, value: {sleep}}}
-        search: {{method: monte_carlo, trials: {trials}}}
-        resources: {{parallel: auto}}
-        """))
-    return load_scenario(folder / "bench.yaml")
+    """The bench's sweep of trials that sleep ``sleep`` seconds, in ``folder``."""
+    return sleepy_scenario(folder, "cluster", trials, sleep, "{parallel: auto}")
 
 
 def sweep(folder: Path, scenario: Scenario, executor: Executor, slots: tuple) -> float:

@@ -20,13 +20,31 @@ from typing import Any
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.launch import plan_slots
-from hpo.scenario import load_scenario
+from hpo.scenario import Scenario, load_scenario
 
 TEMPLATE = textwrap.dedent("""\
     import time
     time.sleep({{ sleep }})
     print("val_error={{ x }}")
     """)
+
+
+def sleepy_scenario(folder: Path, name: str, trials: int, sleep: float, resources: str) -> Scenario:
+    """A Monte Carlo sweep of ``trials`` trials that each sleep ``sleep`` seconds and print a
+    metric, written into ``folder`` (``resources``: the scenario's flow mapping) and loaded."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trial.py.j2").write_text(TEMPLATE)
+    (folder / "bench.yaml").write_text(textwrap.dedent(f"""\
+        name: {name}
+        template: trial.py.j2
+        command: python trial.py
+        parameters:
+          x: {{type: float, low: 0, high: 1}}
+          sleep: {{type: constant, value: {sleep}}}
+        search: {{method: monte_carlo, trials: {trials}}}
+        resources: {resources}
+        """))
+    return load_scenario(folder / "bench.yaml")
 
 
 class TimedSweep(Sweep):
@@ -87,18 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "trial.py.j2").write_text(TEMPLATE)
-        (folder / "bench.yaml").write_text(textwrap.dedent(f"""\
-            name: overhead
-            template: trial.py.j2
-            command: python trial.py
-            parameters:
-              x: {{type: float, low: 0, high: 1}}
-              sleep: {{type: constant, value: {args.sleep}}}
-            search: {{method: monte_carlo, trials: {args.trials}}}
-            resources: {{parallel: {args.slots}, gpus_per_trial: 1}}
-            """))
-        scenario = load_scenario(folder / "bench.yaml")
+        scenario = sleepy_scenario(folder, "overhead", args.trials, args.sleep,
+                                   f"{{parallel: {args.slots}, gpus_per_trial: 1}}")
         slots = plan_slots(scenario.resources, ())
         url = args.storage or f"sqlite:///{folder / 'work' / 'study.db'}"
         sweep = TimedSweep(SweepConfig(scenario, url, folder / "work", slots, seed=1))
