@@ -1,7 +1,7 @@
 """Readers and writers for the standard MNIST and CIFAR-10 files, numpy only.
 
 Trial scripts call :func:`load_mnist` and :func:`load_cifar10` on the scenario's
-``data_dir``; nothing is ever downloaded. Both return Keras-style
+``data_dir`` (nothing is ever downloaded) and :func:`hold_out` for a validation split. Both return Keras-style
 ``(train_images, train_labels), (test_images, test_labels)`` with uint8 images
 (MNIST ``N x 28 x 28``, CIFAR-10 ``N x 3 x 32 x 32``) and int64 labels. Missing or
 malformed files raise :class:`~hpo.errors.InputError` with a one-line message that names
@@ -46,6 +46,19 @@ _CIFAR10_PICKLE_GLOBALS = frozenset({
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
 })
+
+
+def hold_out(split: Split, fraction: float, seed: int, limit: int | None = None) -> tuple[Split, Split]:
+    """``split`` divided into (train, val): a random ``fraction`` of it for validation, fixed by
+    ``seed`` (the split's own seed, so that every trial validates on the same examples), and the
+    rest for training, at most ``limit`` examples of it when ``limit`` is given."""
+    images, labels = split
+    order = np.random.default_rng(seed).permutation(len(labels))
+    n_val = round(fraction * len(labels))
+    val, rest = order[:n_val], order[n_val:]
+    if limit:
+        rest = rest[:limit]
+    return (images[rest], labels[rest]), (images[val], labels[val])
 
 
 def _open(path: Path) -> IO[bytes]:

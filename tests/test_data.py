@@ -11,6 +11,7 @@ import pytest
 from hpo.data import (
     CIFAR10_FOLDER,
     MNIST_FILES,
+    hold_out,
     load_cifar10,
     load_mnist,
     read_idx,
@@ -165,3 +166,15 @@ def test_a_cifar10_batch_that_pickles_other_objects_is_refused(tmp_path: Path) -
 
     with pytest.raises(InputError, match="test_batch is not a CIFAR-10 python batch"):
         load_cifar10(tmp_path)
+
+
+def test_hold_out_is_fixed_by_its_seed_disjoint_and_limited() -> None:
+    images, labels = np.arange(100).reshape(100, 1), np.arange(100)
+    (train_x, train_y), (val_x, val_y) = hold_out((images, labels), 0.2, seed=3)
+    assert len(val_y) == 20 and len(train_y) == 80
+    assert set(train_y).isdisjoint(val_y) and set(train_y) | set(val_y) == set(range(100))
+    assert (train_x[:, 0] == train_y).all() and (val_x[:, 0] == val_y).all()
+    (_, again_val) = hold_out((images, labels), 0.2, seed=3)[1]
+    assert (again_val == val_y).all()
+    (_, limited_y), (_, same_val) = hold_out((images, labels), 0.2, seed=3, limit=10)
+    assert len(limited_y) == 10 and set(limited_y) <= set(train_y) and (same_val == val_y).all()
