@@ -61,7 +61,21 @@ def _context(args: argparse.Namespace) -> Context:
 def _store(ctx: Context) -> Any:
     from hpo.store import StudyStore
 
+    _quiet_optuna()
     return StudyStore(ctx.scenario, ctx.storage, create=False)
+
+
+def _snapshot(ctx: Context) -> list[Any]:
+    """Every trial's row: from the row cache alone while the store has not been written
+    since it was cached (no storage opened), else read through the store."""
+    from hpo import rowcache
+    from hpo.rows import presented
+
+    scenario = ctx.scenario
+    raw = rowcache.quiet_rows(ctx.storage, scenario.name, scenario.objective.direction)
+    if raw is None:
+        return _store(ctx).snapshot()
+    return presented(raw, scenario.parameters)
 
 
 class _Signals:
@@ -259,7 +273,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     scenario = ctx.scenario
-    rows = _store(ctx).snapshot()
+    rows = _snapshot(ctx)
     summary = tally(rows, designs.total_trials(scenario), scenario.objective.direction)
     console = Console() if sys.stdout.isatty() else Console(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
@@ -315,10 +329,10 @@ def _number(value: float | None, fmt: str = ".4g") -> str:
 def export_rows(ctx: Context, out: Any) -> int:
     """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
     configuration a row runs again); return the number of rows."""
-    from hpo.store import repeat_of
+    from hpo.rows import repeat_of
 
     scenario = ctx.scenario
-    rows = _store(ctx).snapshot()
+    rows = _snapshot(ctx)
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
     params = _param_columns(scenario, rows)
     writer = csv.writer(out)
@@ -400,10 +414,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_best(args: argparse.Namespace) -> int:
     """Print the best trial; --copy-to DIR copies its folder there."""
-    from hpo.store import best_row
+    from hpo.rows import best_row
 
     ctx = _context(args)
-    best = best_row(_store(ctx).snapshot(), ctx.scenario.objective.direction)
+    best = best_row(_snapshot(ctx), ctx.scenario.objective.direction)
     if best is None:
         print("no completed trial yet", file=sys.stderr)
         return EXIT_ERROR
@@ -634,13 +648,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hpo.errors import ExecutorUnavailable
     from hpo.storage import StoreUnavailable
 
-    _quiet_optuna()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if getattr(args, "handler", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_INPUT
+        if args.handler not in (cmd_status, cmd_export, cmd_best):  # these may answer from the row cache
+            _quiet_optuna()
         return int(args.handler(args))
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

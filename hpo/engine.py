@@ -32,12 +32,13 @@ from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import recover_stale
 from hpo.render import LOG_FILE, PARAMS_FILE, Renderer, trial_folder, trial_seed
+from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
 from hpo.scheduler import Claim, Scheduler
 from hpo.spacecheck import space_change
 from hpo.storage import StoreUnavailable
-from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, TrialRow, scenario_text
+from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
 
 CLAIM_POLL_S = 1.0

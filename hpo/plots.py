@@ -68,7 +68,7 @@ STATE_STYLE: Mapping[Outcome, tuple[str, str]] = {
 
 
 class PlotRow(Protocol):
-    """What the charts read of a trial (``hpo.store.TrialRow`` has it)."""
+    """What the charts read of a trial (``hpo.rows.TrialRow`` has it)."""
 
     @property
     def number(self) -> int: ...

@@ -19,11 +19,11 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.outcome import Outcome, TrialResult
-from hpo.scheduler import budget_used
-from hpo.store import StudyStore, TrialRow, best_row
+from hpo.rows import TrialRow, best_row, budget_used
 
 if TYPE_CHECKING:
     from hpo.engine import Observer, TrialEnd, TrialStart
+    from hpo.store import StudyStore
 
 POLL_S = 2.0
 FAILURES_SHOWN = 3

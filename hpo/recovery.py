@@ -24,8 +24,9 @@ from hpo.executor import saved_result
 from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder
+from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue
-from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore, TrialRow
+from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
 STALE_AFTER_BEATS = 3
 LOST_LIMIT = 3

@@ -28,8 +28,9 @@ from hpo import space
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
+from hpo.rows import TrialRow, budget_used
 from hpo.store import (ATTR_DESIGN_INDEX, ATTR_LOST_COUNT, ATTR_REQUEUE_OF, ATTR_RERUN_OF, ATTR_RETRIES,
-                       ATTR_RETRY_OF, SYS_RUN, StudyStore, TrialRow)
+                       ATTR_RETRY_OF, SYS_RUN, StudyStore)
 
 HOST = socket.gethostname()
 WAIT = "wait"
@@ -53,13 +54,6 @@ class Claim:
     token: str
     seed: int
     prunable: bool = True
-
-
-def budget_used(rows: list[TrialRow]) -> int:
-    """How much of ``search.trials`` the rows use (see the module docstring)."""
-    superseded = {r.retry_of for r in rows if r.retry_of is not None}
-    return sum(1 for r in rows if r.rerun_of is None and r.number not in superseded
-               and (r.outcome.own or not r.outcome.ended))
 
 
 def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any) -> bool:

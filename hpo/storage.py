@@ -20,11 +20,12 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
-
-import optuna
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from hpo.errors import InputError
+
+if TYPE_CHECKING:
+    import optuna
 
 SQLITE_TIMEOUT_S = 120
 SCHEMES = ("sqlite:///PATH", "postgresql://...", "mysql://...", "journal:PATH")
@@ -76,6 +77,8 @@ def check_url(url: str) -> None:
 def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     """Open the storage at ``url``, creating its tables when ``create`` (else it must have
     them: a reader skips Optuna's schema checks); a bad URL is an InputError."""
+    import optuna  # imported when a store is opened: commands that answer from the row cache never need it
+
     check_url(url)
     journal = journal_path(url)
     if journal is not None:
@@ -185,6 +188,7 @@ def _server_lock(url: str) -> Iterator[None]:
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
+    import optuna
     import sqlalchemy.exc
 
     return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError,

@@ -18,13 +18,10 @@ store rides out an outage of ``resources.store_retry`` seconds.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -36,6 +33,7 @@ from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
+from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
 from hpo.storage import Retrying, ask_lock, local_path, open_storage
 
@@ -50,46 +48,6 @@ _LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_
 _STATE_OUTCOMES = {TrialState.COMPLETE: {Outcome.COMPLETE}, TrialState.PRUNED: {Outcome.PRUNED, Outcome.STOPPED},
                    TrialState.FAIL: {Outcome.FAIL, Outcome.STOPPED, Outcome.TIMEOUT, Outcome.LOST,
                                      Outcome.INTERRUPTED}}
-
-
-@dataclass(frozen=True)
-class TrialRow:
-    """One trial as status, export, plots and the progress view show it.
-
-    ``params`` include the scenario's constants; ``slot``/``gpus`` say where a running
-    trial runs; ``requeue_of``, ``retry_of`` and ``rerun_of`` name the trial whose
-    configuration this one runs again (lost or interrupted, failed and retried, rerun).
-    """
-
-    number: int
-    outcome: Outcome
-    params: Mapping[str, Any]
-    value: float | None
-    held_out: Mapping[str, float]
-    duration_s: float | None
-    folder: str
-    reason: str
-    slot: int | None = None
-    gpus: str = ""
-    requeue_of: int | None = None
-    retry_of: int | None = None
-    rerun_of: int | None = None
-    design_index: int | None = None
-    lost_count: int = 0
-    retries: int = 0
-
-    @property
-    def state(self) -> str:
-        """The outcome's name, as the CSV's ``state`` column writes it."""
-        return self.outcome.value
-
-
-def _row_to_data(row: TrialRow) -> dict[str, Any]:
-    return dict(dataclasses.asdict(row), outcome=row.outcome.value)
-
-
-def _row_from_data(data: dict[str, Any]) -> TrialRow:
-    return TrialRow(**{**data, "outcome": Outcome(data["outcome"])})
 
 
 def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
@@ -160,23 +118,6 @@ def _attr(trial: FrozenTrial, name: str) -> Any:
 
 
 
-def repeat_of(row: TrialRow) -> int | None:
-    """The trial whose configuration ``row`` runs again (re-run, retry or rerun), or None."""
-    for number in (row.requeue_of, row.retry_of, row.rerun_of):
-        if number is not None:
-            return number
-    return None
-
-
-def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
-    """The completed row with the best objective value, or None."""
-    done = [r for r in rows if r.value is not None and math.isfinite(r.value)]
-    if not done:
-        return None
-    pick = min if direction == "minimize" else max
-    return pick(done, key=lambda r: r.value)  # type: ignore[arg-type, return-value]
-
-
 class StudyStore:
     """Owns the scenario's Optuna study and storage; every storage call is retried.
 
@@ -197,6 +138,7 @@ class StudyStore:
         self.call = Retrying(url, scenario.resources.store_retry, on_outage)
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
+        self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
@@ -275,7 +217,7 @@ class StudyStore:
                 if trial.state.is_finished():
                     self._finished[trial.number] = row
             raw.append(row)
-        return self._presented(raw)
+        return presented(raw, self.scenario.parameters)
 
     def snapshot(self) -> list[TrialRow]:
         """Every trial as a :class:`TrialRow`, reading from the storage only the unfinished
@@ -284,8 +226,10 @@ class StudyStore:
         if not isinstance(self._storage, optuna.storages.RDBStorage):
             return self.rows()
         storage, sid = self._storage, self._study_id
-        path, key = rowcache.cache_path(self.url, self.scenario.name), self._cache_key()
-        cached = {int(data["number"]): _row_from_data(data) for data in rowcache.load(path, key)}
+        path, key, direction = rowcache.cache_path(self.url, self.scenario.name), self._cache_key(), \
+            self.scenario.objective.direction
+        cache = rowcache.load(path)
+        cached = {row.number: row for row in cache.finished} if cache is not None and cache.key == key else {}
         rows = {t.number: read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False,
                                                              states=(TrialState.RUNNING, TrialState.WAITING))}
         known = set(cached) | set(rows)
@@ -297,9 +241,12 @@ class StudyStore:
             fresh = [read_row(self.call(storage.get_trial, self._id(n))) for n in missing]
         for row in fresh:
             (cached if row.outcome.ended else rows)[row.number] = row
-        if any(row.outcome.ended for row in fresh):
-            rowcache.save(path, key, [_row_to_data(row) for _, row in sorted(cached.items())])
-        return self._presented([row for _, row in sorted({**cached, **rows}.items())])
+        unfinished = tuple(row for _, row in sorted(rows.items()))
+        if any(row.outcome.ended for row in fresh) or cache is None or cache.key != key or \
+                (self._quiet is not None and (cache.stamp, cache.unfinished) != (self._quiet, unfinished)):
+            rowcache.save(path, rowcache.Cached(key, direction, [row for _, row in sorted(cached.items())],
+                                               self._quiet, unfinished))
+        return presented([row for _, row in sorted({**cached, **rows}.items())], self.scenario.parameters)
 
     def _cache_key(self) -> str:
         """What tells this study apart from another of the same name at the same URL."""
@@ -328,17 +275,6 @@ class StudyStore:
             else:
                 high = middle
         return low
-
-    def _presented(self, raw: list[TrialRow]) -> list[TrialRow]:
-        """Rows as users see them: constants added, a queued copy with its original's parameters."""
-        constant = any(p.type == "constant" for p in self.scenario.parameters.values())
-        rows = [dataclasses.replace(row, params=self.constants(dict(row.params))) for row in raw] if constant else raw
-        by_number = {r.number: r for r in rows}
-        for index, row in enumerate(rows):
-            original = by_number.get(repeat_of(row) if row.outcome is Outcome.WAITING else None)  # type: ignore[arg-type]
-            if original is not None and not raw[index].params:
-                rows[index] = dataclasses.replace(row, params=original.params)
-        return rows
 
     def constants(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with the scenario's constants that apply to them added."""

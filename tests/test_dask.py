@@ -28,9 +28,10 @@ from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
 from hpo.launch import TOKEN_ENV, Slot
 from hpo.outcome import Outcome
 from hpo.render import LOG_FILE, TrialFile
+from hpo.rows import TrialRow
 from hpo.scenario import Cluster, Objective, Resources, load_scenario
 from hpo.storage import storage_url
-from hpo.store import StudyStore, TrialRow
+from hpo.store import StudyStore
 
 START_S = 60
 TRIAL = """\

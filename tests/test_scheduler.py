@@ -8,8 +8,9 @@ import pytest
 
 from hpo import designs
 from hpo.outcome import Outcome, TrialResult
+from hpo.rows import budget_used
 from hpo.scenario import load_scenario
-from hpo.scheduler import WAIT, Claim, Scheduler, budget_used, requeue
+from hpo.scheduler import WAIT, Claim, Scheduler, requeue
 from hpo.store import StudyStore
 
 WriteScenario = Callable[..., Path]

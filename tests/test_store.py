@@ -10,10 +10,12 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
+from hpo import rowcache
 from hpo.errors import InputError
 from hpo.outcome import Outcome, TrialResult
+from hpo.rows import TrialRow, best_row, repeat_of
 from hpo.scenario import Scenario, load_scenario
-from hpo.store import (SYS_STARTED, StudyStore, TrialRow, best_row, read_row, repeat_of, result_attrs)
+from hpo.store import SYS_STARTED, StudyStore, read_row, result_attrs
 
 WriteScenario = Callable[..., Path]
 DIST = {"x": FloatDistribution(0.0, 1.0)}
@@ -216,7 +218,8 @@ def test_snapshot_reads_what_is_new_and_matches_rows(scenario: Scenario, tmp_pat
     reader = StudyStore(scenario, url, create=False)
     assert reader.snapshot() == store.rows()
     cache = tmp_path / "snap.db.demo.hpo-rows.json"
-    assert cache.is_file() and cache.read_text().count('"number"') == 3
+    cached = rowcache.load(cache)
+    assert cached is not None and [row.number for row in cached.finished] == [0, 1, 2]
     store.record(running.number, TrialResult(Outcome.FAIL, reason="exit code 1"), "f")
     for value in (0.05, 0.04):
         trial = store.ask()

@@ -1,0 +1,102 @@
+"""Trials as users see them: :class:`TrialRow` and what is computed from a list of rows.
+
+Nothing here touches Optuna: the store (:mod:`hpo.store`) reads rows from the study, the
+row cache (:mod:`hpo.rowcache`) keeps them between commands, and status, export, best,
+plots and the live view only read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hpo import space
+from hpo.outcome import Outcome
+from hpo.scenario import Param
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One trial as status, export, plots and the progress view show it.
+
+    ``params`` include the scenario's constants; ``slot``/``gpus`` say where a running
+    trial runs; ``requeue_of``, ``retry_of`` and ``rerun_of`` name the trial whose
+    configuration this one runs again (lost or interrupted, failed and retried, rerun).
+    """
+
+    number: int
+    outcome: Outcome
+    params: Mapping[str, Any]
+    value: float | None
+    held_out: Mapping[str, float]
+    duration_s: float | None
+    folder: str
+    reason: str
+    slot: int | None = None
+    gpus: str = ""
+    requeue_of: int | None = None
+    retry_of: int | None = None
+    rerun_of: int | None = None
+    design_index: int | None = None
+    lost_count: int = 0
+    retries: int = 0
+
+    @property
+    def state(self) -> str:
+        """The outcome's name, as the CSV's ``state`` column writes it."""
+        return self.outcome.value
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(TrialRow))
+
+
+def row_to_list(row: TrialRow) -> list[Any]:
+    """``row`` as plain data, its fields in the order of :data:`FIELDS`."""
+    return [row.outcome.value if name == "outcome" else getattr(row, name) for name in FIELDS]
+
+
+def row_from_list(values: list[Any]) -> TrialRow:
+    """The row that :func:`row_to_list` wrote."""
+    data = dict(zip(FIELDS, values))
+    data["outcome"] = Outcome(data["outcome"])
+    return TrialRow(**data)
+
+
+def repeat_of(row: TrialRow) -> int | None:
+    """The trial whose configuration ``row`` runs again (re-run, retry or rerun), or None."""
+    for number in (row.requeue_of, row.retry_of, row.rerun_of):
+        if number is not None:
+            return number
+    return None
+
+
+def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
+    """The completed row with the best objective value, or None."""
+    done = [r for r in rows if r.value is not None and math.isfinite(r.value)]
+    if not done:
+        return None
+    pick = min if direction == "minimize" else max
+    return pick(done, key=lambda r: r.value)  # type: ignore[arg-type, return-value]
+
+
+def budget_used(rows: list[TrialRow]) -> int:
+    """How much of ``search.trials`` the rows use: trials that ended on their own merits,
+    run or wait, except failed trials that were retried and reruns (see :mod:`hpo.scheduler`)."""
+    superseded = {r.retry_of for r in rows if r.retry_of is not None}
+    return sum(1 for r in rows if r.rerun_of is None and r.number not in superseded
+               and (r.outcome.own or not r.outcome.ended))
+
+
+def presented(raw: list[TrialRow], parameters: Mapping[str, Param]) -> list[TrialRow]:
+    """Rows as users see them: the scenario's constants added, a queued copy with its
+    original's parameters."""
+    constant = any(p.type == "constant" for p in parameters.values())
+    rows = [dataclasses.replace(row, params=space.with_constants(parameters, dict(row.params))) for row in raw] \
+        if constant else list(raw)
+    by_number = {r.number: r for r in rows}
+    for index, row in enumerate(rows):
+        original = by_number.get(repeat_of(row) if row.outcome is Outcome.WAITING else None)  # type: ignore[arg-type]
+        if original is not None and not raw[index].params:
+            rows[index] = dataclasses.replace(row, params=original.params)
+    return rows
