@@ -371,7 +371,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     ctx = _context(args)
     folder = Path(args.output) if args.output else ctx.workdir / "plots"
     store = _store(ctx)
-    for path in draw_all(store.study, ctx.scenario, folder, rows=store.rows()):
+    for path in draw_all(store.study, ctx.scenario, folder, rows=store.snapshot()):
         print(f"wrote {path}")
     return EXIT_OK
 
