@@ -10,6 +10,7 @@ budget, running trials of other workers as running trials.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -31,27 +32,49 @@ class GPProposer:
     def __init__(self, codec: Codec, seed: int | None) -> None:
         self._codec = codec
         self._distributions = codec.distributions()
+        self._search_space = dict(sorted(self._distributions.items()))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             self._sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=1, warn_independent_sampling=False)
 
-    def propose(self, observations: Observations) -> np.ndarray:
-        """The row the GP's acquisition prefers, given the observations (at least one)."""
+    def propose(self, observations: Observations) -> dict[str, Any]:
+        """The configuration the GP's acquisition prefers, given the observations (at least
+        one). Trials are given to the GP with their exact values, and the search space in the
+        order Optuna's own GPSampler uses (sorted by name), so that on the same history it
+        proposes exactly what ``search.method: gp`` would."""
         study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
                                     sampler=optuna.samplers.RandomSampler(seed=0))
-        trials = [optuna.trial.create_trial(params=self._params(row), distributions=self._distributions,
-                                            value=float(cost))
-                  for row, cost in zip(self._complete(observations.x), observations.y)]
-        trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=self._params(row),
+        observed = self._exact(observations.x, observations.params)
+        trials = [optuna.trial.create_trial(params=params, distributions=self._distributions, value=float(cost))
+                  for params, cost in zip(observed, observations.y)]
+        trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=params,
                                              distributions=self._distributions)
-                   for row in self._complete(observations.pending)]
+                   for params in self._exact(observations.pending, observations.pending_params)]
         study.add_trials(trials)
         number = study.ask().number
         trial = next(t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.number == number)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            params = self._sampler.sample_relative(study, trial, self._distributions)
-        return self._codec.canonical(self._codec.encode([params]))[0]
+            return self._sampler.sample_relative(study, trial, self._search_space)
+
+    def _exact(self, rows: np.ndarray, params: tuple[Mapping[str, Any], ...]) -> list[dict[str, Any]]:
+        """Each row's searched values: the trial's own where it has every one, else decoded."""
+        if len(params) != len(rows):
+            params = ({},) * len(rows)
+        return [{name: given[name] for name in self._distributions} if self._legal(given) else self._params(row)
+                for row, given in zip(self._complete(rows), params)]
+
+    def _legal(self, params: Mapping[str, Any]) -> bool:
+        """Whether ``params`` has a legal value of every searched parameter."""
+        for name, distribution in self._distributions.items():
+            value = params.get(name)
+            if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+                if not any(value == choice and type(value) is type(choice) for choice in distribution.choices):
+                    return False
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not distribution.low <= value <= distribution.high:
+                return False
+        return True
 
     def _complete(self, rows: np.ndarray) -> np.ndarray:
         """Rows with the values a trial never suggested filled in (the middle of a range, the

@@ -50,6 +50,8 @@ class Observations:
         pending: rows of running trials (other workers and threads).
         seen: keys (:func:`hpo.codec.keys`) of every configuration in the history and pending.
         budget: the step the costs were taken at; ``inf`` for final values.
+        params: the parameter values of each row of ``x`` exactly as the trial has them.
+        pending_params: the same for each row of ``pending``.
     """
 
     x: np.ndarray
@@ -58,6 +60,8 @@ class Observations:
     pending: np.ndarray
     seen: frozenset[bytes]
     budget: float = _TOP
+    params: tuple[Mapping[str, Any], ...] = ()
+    pending_params: tuple[Mapping[str, Any], ...] = ()
 
 
 class _Finished:
@@ -69,6 +73,7 @@ class _Finished:
         self.kind = np.empty(0, dtype=int)
         self.cost = np.empty(0)
         self.curves: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self.params: list[Mapping[str, Any]] = []
         self.seen: set[bytes] = set()
 
 
@@ -98,12 +103,13 @@ class History:
         trials = study.get_trials(deepcopy=False)
         self._add([t for t in trials if t.state.is_finished() and t.number not in finished.numbers], finished)
         proposals = proposals or {}
-        running = [{**proposals.get(t.number, {}), **t.params} for t in trials
-                   if t.state == TrialState.RUNNING and t.number != exclude]
-        pending = self._codec.encode([p for p in running if p])
+        running = [p for p in ({**proposals.get(t.number, {}), **t.params} for t in trials
+                               if t.state == TrialState.RUNNING and t.number != exclude) if p]
+        pending = self._codec.encode(running)
         seen = frozenset(finished.seen.union(keys(pending)))
-        x, y, crashed, budget = self._costs(finished)
-        return Observations(x, y, crashed, pending, seen, budget)
+        use, y, crashed, budget = self._costs(finished)
+        return Observations(finished.x[use], y, crashed, pending, seen, budget,
+                            tuple(p for p, used in zip(finished.params, use) if used), tuple(running))
 
     def finished(self, study_name: str) -> frozenset[int]:
         """Numbers of the trials of ``study_name`` that were finished when it was last read."""
@@ -118,6 +124,7 @@ class History:
         finished.seen.update(keys(rows))
         judged = [(row, self._judge(t)) for row, t in zip(rows, trials)]
         kept = [(row, j) for row, j in judged if j is not None]
+        finished.params.extend(t.params for t, (_, j) in zip(trials, judged) if j is not None)
         if not kept:
             return
         finished.x = np.vstack([finished.x, np.array([row for row, _ in kept])])
@@ -144,7 +151,8 @@ class History:
         return None
 
     def _costs(self, finished: _Finished) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """Rows, costs, crash flags and the budget of the costs (see the module docstring)."""
+        """Which rows have a cost, their costs, crash flags and the budget of the costs (see
+        the module docstring)."""
         crash = finished.kind == _CRASH
         partial = finished.kind == _PARTIAL
         if partial.any():
@@ -155,7 +163,7 @@ class History:
         cost, crash = cost[use], crash[use]
         finite = ~crash
         cost[crash] = cost[finite].max() if finite.any() else 0.0
-        return finished.x[use], cost, crash, budget
+        return use, cost, crash, budget
 
     def _at_budget(self, finished: _Finished) -> tuple[float, np.ndarray]:
         """The highest budget with ``min_points`` values, and every trial's value at it (NaN if none)."""

@@ -8,10 +8,13 @@ so a trial whose parameters are all fixed (enqueued) costs no proposal. The hist
 from the study incrementally (:class:`hpo.history.History`), so any number of threads and
 processes can share one storage.
 
-Like SMAC3's facades it is a portfolio: a scrambled Sobol design first, then a Gaussian
-process (Optuna's, :mod:`hpo.gp`) while the space is small and unconditional and the history
-short, and SMAC's random forest (:mod:`hpo.forest`) for conditional or large spaces and long
-histories, where its cost stays flat.
+Like SMAC3's facades it is a portfolio. While the space is small and unconditional and the
+history short, it is Optuna's GPSampler (:mod:`hpo.gp`) through and through: the same random
+start (the same draws for the same seed) and the same proposals from the same history, so on
+such a problem ``smac`` and ``gp`` find the same configurations, except that ``smac`` learns
+from crashes and never repeats a configuration. For conditional or large spaces and long
+histories it is a scrambled Sobol design, then SMAC's random forest (:mod:`hpo.forest`),
+whose cost stays flat.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ _GP_INITIAL = 10
 class SmacSampler(BaseSampler):
     """SMAC-style Bayesian optimization over a scenario's parameters.
 
-    Each trial gets one configuration from the study's history: a scrambled Sobol design
+    Each trial gets one configuration from the study's history: an initial design (random
+    draws as Optuna's GPSampler makes them where the GP may be used, else scrambled Sobol)
     until ``n_initial`` trials have a cost (crashes count: they cost the worst cost seen), then
     the configuration of highest expected improvement under the model (and, if
     ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
@@ -54,8 +58,8 @@ class SmacSampler(BaseSampler):
             integers and stepped floats are proposed, and told apart, on their grid.
         seed: with a seed, one worker repeats its sequence exactly.
         direction: ``minimize`` or ``maximize``, the objective's direction.
-        n_initial: size of the initial design (default: searched parameters + 1, at least 10
-            where the GP may be used, as Optuna's GPSampler starts).
+        n_initial: size of the initial design (default: 10 where the GP may be used, as
+            Optuna's GPSampler starts; else searched parameters + 1).
         model: ``gp``, ``forest``, or ``auto``: the GP for unconditional spaces of at most
             ``gp_max_dims`` searched parameters while at most ``gp_max_points`` trials have a
             cost, the forest otherwise.
@@ -94,7 +98,7 @@ class SmacSampler(BaseSampler):
         self._searched = searched = self._codec.dim
         self._gp_allowed = model == "gp" or (model == "auto" and not self._codec.conditional
                                               and 0 < searched <= gp_max_dims)
-        default_initial = max(searched + 1, _GP_INITIAL if self._gp_allowed else 0)
+        default_initial = _GP_INITIAL if self._gp_allowed else searched + 1
         self._n_initial = max(2, n_initial if n_initial is not None else default_initial)
         self._history = History(self._codec, 1.0 if direction == "minimize" else -1.0, self._n_initial)
         self._gp_max_points = math.inf if model == "gp" else gp_max_points
@@ -105,6 +109,7 @@ class SmacSampler(BaseSampler):
         self._n_starts = n_starts
         self._max_points = max_points
         self._fallback = RandomSampler(seed=seed)
+        self._start = RandomSampler(seed=seed)
         self._lock = threading.Lock()
         self._proposals: dict[tuple[str, int], dict[str, Any]] = {}
         self._forest: tuple[str, Forest] | None = None
@@ -114,6 +119,7 @@ class SmacSampler(BaseSampler):
         """Forget the seed: later proposals draw fresh randomness."""
         self._seed = None
         self._fallback.reseed_rng()
+        self._start.reseed_rng()
         self._gp = None
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -166,6 +172,10 @@ class SmacSampler(BaseSampler):
         finished = self._history.finished(study.study_name)
         for number in [n for n in mine if n in finished]:
             del self._proposals[(study.study_name, number)]
+        if len(observations.y) < self._n_initial and self._gp_allowed:
+            return self._unseen_or_first({name: self._start.sample_independent(study, trial, name, distribution)
+                                          for name, distribution in self._codec.distributions().items()},
+                                         observations.seen, rng)
         if len(observations.y) < self._n_initial:
             design = self._initial_design(len(observations.seen) + self._n_initial)
             candidates = np.vstack([design[len(observations.seen):], design])
@@ -173,12 +183,22 @@ class SmacSampler(BaseSampler):
             candidates = self._codec.sample(self._n_random, rng)
         elif self._gp_allowed and len(observations.y) <= self._gp_max_points:
             self._gp = self._gp or GPProposer(self._codec, self._seed)
-            candidates = self._gp.propose(observations)[None, :]
+            return self._unseen_or_first(self._gp.propose(observations), observations.seen, rng)
         else:
             forest = self._fit(study.study_name, observations, rng)
             near = np.vstack([observations.x, observations.pending])
             candidates = search(self._codec, forest, near, rng, self._n_random, self._n_starts)
         return self._codec.decode(self._first_unseen(candidates, observations.seen, rng))
+
+    def _unseen_or_first(self, params: dict[str, Any], seen: frozenset[bytes], rng: np.random.Generator
+                         ) -> dict[str, Any]:
+        """``params`` with its values as they are, if it is not in ``seen``; else the first
+        unseen configuration close to it (within 0.1 % of each range), else at random."""
+        row = self._codec.canonical(self._codec.encode([params]))
+        if keys(row)[0] not in seen:
+            return {**self._codec.decode(row[0]), **params}
+        return self._codec.decode(self._first_unseen(self._codec.perturb(np.repeat(row, 20, axis=0), 0.001, rng),
+                                                     seen, rng))
 
     def _first_unseen(self, candidates: np.ndarray, seen: frozenset[bytes], rng: np.random.Generator) -> np.ndarray:
         """The first candidate not in ``seen``, else the first unseen random configuration,

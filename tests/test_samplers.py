@@ -1,6 +1,7 @@
 """hpo's samplers under Optuna's own sampler contract, and the contracts of ``search.method: smac``:
 no configuration proposed twice whatever the history holds, no proposal spent on enqueued
-trials, constant ranges and indistinguishable choices settled at validation."""
+trials, Optuna's GP where the GP serves, constant ranges and indistinguishable choices
+settled at validation."""
 from __future__ import annotations
 
 import math
@@ -61,6 +62,22 @@ def _params(study: optuna.Study) -> list[tuple[Any, ...]]:
 
 def _suggest(params: dict[str, Param]) -> Callable[[optuna.Trial], dict[str, Any]]:
     return lambda trial: space.suggest(trial, params)
+
+
+def test_on_a_small_continuous_space_smac_finds_what_optunas_gp_finds() -> None:
+    params = {"x": Param(type="float", low=-5.0, high=10.0), "lr": Param(type="float", low=1e-4, high=1.0, log=True),
+              "units": Param(type="int", low=4, high=64, log=True)}
+
+    def objective(trial: optuna.Trial) -> float:
+        v = space.suggest(trial, params)
+        return (v["x"] - 2.5) ** 2 + (math.log10(v["lr"]) + 2) ** 2 + (math.log2(v["units"]) - 4) ** 2
+
+    found = {}
+    for method in ("gp", "smac"):
+        study = optuna.create_study(sampler=build_sampler(method, params, seed=3))
+        study.optimize(objective, n_trials=14)
+        found[method] = [t.params for t in study.trials]
+    assert found["smac"] == found["gp"]  # the same start draws, then the same GP proposals
 
 
 @pytest.mark.parametrize("params", [KIT_PARAMS, CONDITIONAL_PARAMS], ids=["plain", "conditional"])
