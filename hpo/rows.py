@@ -49,6 +49,7 @@ class TrialRow:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrialRow))
+_OUTCOMES = {outcome.value: outcome for outcome in Outcome}
 
 
 def row_to_list(row: TrialRow) -> list[Any]:
@@ -58,9 +59,9 @@ def row_to_list(row: TrialRow) -> list[Any]:
 
 def row_from_list(values: list[Any]) -> TrialRow:
     """The row that :func:`row_to_list` wrote."""
-    data = dict(zip(FIELDS, values))
-    data["outcome"] = Outcome(data["outcome"])
-    return TrialRow(**data)
+    if len(values) != len(FIELDS):
+        raise ValueError(f"a row has {len(values)} fields, not {len(FIELDS)}")
+    return TrialRow(values[0], _OUTCOMES[values[1]], *values[2:])
 
 
 def repeat_of(row: TrialRow) -> int | None:
