@@ -491,23 +491,36 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
     """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it (exit 0)."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
     try:
-        from optuna_dashboard import run_server
+        from optuna_dashboard import wsgi
     except ImportError:
         raise InputError("hpo dashboard needs optuna-dashboard: pip install 'hpo[dashboard]'") from None
     ctx = _context(args)
     store = _store(ctx)
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            """No line per request: the console keeps the one line that says where to look."""
+
+    try:
+        server = make_server(args.host, args.port, wsgi(store.optuna_storage), handler_class=QuietHandler)
+    except OSError as exc:
+        raise InputError(f"--port: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
     print(f"optuna-dashboard on http://{args.host}:{args.port}/dashboard/ (study {ctx.scenario.name}); "
           "Ctrl-C ends it", flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        """End the server between requests (an exception raised inside one would be swallowed by it)."""
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # even where the shell started us with SIGINT ignored
-        signal.signal(sig, _interrupt)
-    with contextlib.suppress(KeyboardInterrupt):
-        run_server(store.optuna_storage, host=args.host, port=args.port)
+        signal.signal(sig, stop)
+    with server:
+        server.serve_forever(poll_interval=0.2)
     return EXIT_OK
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)

@@ -118,9 +118,11 @@ def test_a_study_is_first_class_for_optuna_and_its_dashboard(tmp_path: Path) -> 
         assert detail["objective_names"] == ["test_loss"]
         sortable = {a["key"]: a["sortable"] for a in detail["union_user_attrs"]}
         assert sortable["duration_s"] and sortable["correct"] and {"outcome", "reason", "folder"} <= set(sortable)
+        busy = run_hpo("dashboard", path, "--port", port)
+        assert busy.returncode == 2 and busy.stderr.startswith(f"error: --port: cannot serve on 127.0.0.1:{port}")
     finally:
         server.send_signal(signal.SIGINT)
-        server.wait(timeout=30)
+        assert server.wait(timeout=30) == 0
 
 
 def test_rerun_repeats_a_configuration_without_using_budget(tmp_path: Path) -> None:
