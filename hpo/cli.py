@@ -163,7 +163,8 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     from hpo.dask_executor import open_cluster
 
     logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
-    return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True))
+    return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True),
+                        job_logs=ctx.workdir / "jobs")
 
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,

@@ -649,9 +649,11 @@ class _Following:
 
 
 def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None = None,
-                 shared: bool | None = None, say: Callable[[str], None] = print) -> DaskExecutor:
+                 shared: bool | None = None, say: Callable[[str], None] = print,
+                 job_logs: Path | None = None) -> DaskExecutor:
     """A :class:`DaskExecutor` on ``cluster``: the Dask scheduler at its address (after its
-    first worker joined), or batch jobs that dask-jobqueue starts as the sweep needs them.
+    first worker joined), or batch jobs that dask-jobqueue starts as the sweep needs them,
+    writing their output into ``job_logs``.
 
     ``timeout`` bounds connecting and reconnecting: a scheduler unreachable for that long
     is gone (default: Dask's ``distributed.comm.timeouts.connect``). Raises
@@ -661,7 +663,7 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     if timeout is None:
         timeout = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
     if cluster.address is None:
-        return _batch_jobs(cluster, resources, timeout, shared)
+        return _batch_jobs(cluster, resources, timeout, shared, job_logs)
     address = cluster.address
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
@@ -673,7 +675,8 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout)
 
 
-def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None) -> DaskExecutor:
+def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None,
+                job_logs: Path | None) -> DaskExecutor:
     from hpo import jobqueue
 
     per_job = jobqueue.trials_per_job(cluster, resources)
@@ -682,7 +685,7 @@ def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: 
         raise InputError(f"resources.cluster: a job of {cluster.cores} cores and {cluster.gpus} GPUs cannot run a "
                          f"trial of {plural(demand.processes, 'process')} on "
                          f"{'1/' + str(demand.share) if demand.share > 1 else demand.gpus} GPUs")
-    jobs = jobqueue.start(cluster, resources)
+    jobs = jobqueue.start(cluster, resources, job_logs)
     client = Client(jobs, timeout=timeout, set_as_default=False)
     offered = ("CPU", "GPU") if cluster.gpus else ("CPU",)
     return DaskExecutor(client, resources, offered, shared, owned=(jobs,), scheduler_lost_s=timeout,

@@ -9,6 +9,7 @@ trials at once as they allow. hpo scales the jobs to the trials waiting or runni
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from dask.utils import parse_bytes
@@ -92,14 +93,19 @@ def _condor_line(line: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def make_cluster(spec: Cluster, dashboard: bool = True) -> Any:
+def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | None = None) -> Any:
     """A dask-jobqueue cluster of ``spec`` with no job yet (its scheduler runs in this process,
-    with Dask's dashboard when ``dashboard``)."""
+    with Dask's dashboard when ``dashboard``); its jobs write their output into
+    ``log_directory`` (default: the batch system's, usually the current folder)."""
     import dask_jobqueue
 
     assert spec.kind is not None
     cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind])
-    return cls(**job_options(spec), scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
+    options = job_options(spec)
+    if log_directory is not None:
+        log_directory.mkdir(parents=True, exist_ok=True)
+        options["log_directory"] = str(log_directory)
+    return cls(**options, scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
 
 
 def job_script(spec: Cluster) -> str:
@@ -132,9 +138,10 @@ class TrialAdaptive(Adaptive):
         return math.ceil(unfinished / self._per_job)
 
 
-def start(spec: Cluster, resources: Resources) -> Any:
-    """Start the cluster of ``spec`` with :class:`TrialAdaptive` scaling up to ``spec.jobs``."""
-    cluster = make_cluster(spec)
+def start(spec: Cluster, resources: Resources, log_directory: Path | None = None) -> Any:
+    """Start the cluster of ``spec`` with :class:`TrialAdaptive` scaling up to ``spec.jobs``;
+    the jobs' output goes into ``log_directory``."""
+    cluster = make_cluster(spec, log_directory=log_directory)
     cluster.adapt(Adaptive=TrialAdaptive, minimum_jobs=0, maximum_jobs=spec.jobs,
                   per_job=max(1, trials_per_job(spec, resources)))
     return cluster

@@ -144,9 +144,11 @@ def _wait_no_jobs(slurm: Slurm, timeout: float = 60) -> list[str]:
 def test_trials_run_as_slurm_jobs_that_end_with_the_sweep(slurm: Slurm, tmp_path: Path) -> None:
     path = _scenario(tmp_path, trials=4, pause=0.5)
     run = subprocess.run([sys.executable, "-m", "hpo", "run", str(path)], env=slurm.env, capture_output=True,
-                         text=True, timeout=240, check=False)
+                         text=True, timeout=240, check=False, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "4/4 trials done: 4 complete." in run.stdout
+    assert list((tmp_path / "runs" / "slurm" / "jobs").glob("*.out"))  # the jobs' output, in the sweep's folder
+    assert not list(tmp_path.glob("slurm-*.out"))  # not where hpo was started
     rows = _rows(slurm, path)
     assert [row["state"] for row in rows] == ["COMPLETE"] * 4
     for row in rows:
