@@ -134,6 +134,17 @@ def _rows(slurm: Slurm, path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(export.stdout)))
 
 
+def _job_running_a_trial(workdir: Path, deadline: float) -> str | None:
+    """The id of a Slurm job whose trial has started (its log names the job), or None by ``deadline``."""
+    while time.monotonic() < deadline:
+        for log in workdir.glob("trial-*/trial.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("slurm job") and line.split()[-1].isdigit():
+                    return line.split()[-1]
+        time.sleep(0.2)
+    return None
+
+
 def _wait_no_jobs(slurm: Slurm, timeout: float = 60) -> list[str]:
     deadline = time.monotonic() + timeout
     while slurm.jobs() and time.monotonic() < deadline:
@@ -165,13 +176,9 @@ def test_a_job_cancelled_mid_trial_loses_nothing(slurm: Slurm, tmp_path: Path) -
     run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path)], env=slurm.env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("runs/slurm/trial-*/trial.log")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)
-        jobs = slurm.jobs()
-        assert jobs, "no Slurm job ever ran a trial"
-        slurm.command("scancel", jobs[0])
+        job = _job_running_a_trial(tmp_path / "runs" / "slurm", deadline=time.monotonic() + 120)
+        assert job is not None, "no Slurm job ever ran a trial"
+        slurm.command("scancel", job)  # the trial sleeps 4 s: it is still running in that job
         out, _ = run.communicate(timeout=240)
     finally:
         if run.poll() is None:
