@@ -19,35 +19,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
+from bench.overhead import sleepy_scenario
 from hpo import designs
 from hpo.outcome import Outcome
 from hpo.scenario import load_scenario
 from hpo.store import StudyStore
-
-
-def write(folder: Path, trials: int, sleep: float, name: str) -> Path:
-    """The scenario of one run: a Monte Carlo design of ``trials`` trials sleeping ``sleep`` s."""
-    (folder / "trial.py.j2").write_text(textwrap.dedent("""\
-        import time
-        time.sleep({{ sleep }})
-        print("val_error={{ x }}")
-        """))
-    path = folder / "chaos.yaml"
-    path.write_text(textwrap.dedent(f"""\
-        name: {name}
-        template: trial.py.j2
-        command: python trial.py
-        parameters:
-          x: {{type: float, low: 0, high: 1}}
-          sleep: {{type: constant, value: {sleep}}}
-        search: {{method: monte_carlo, trials: {trials}, seed: 3}}
-        resources: {{parallel: 1, heartbeat: 1, timeout: 60}}
-        """))
-    return path
 
 
 def start_worker(path: Path, url: str, seed: int, log: Path) -> subprocess.Popen[bytes]:
@@ -108,7 +87,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             name = f"chaos-{label}-{os.getpid()}"
-            path = write(folder, args.trials, args.sleep, name)
+            path = sleepy_scenario(folder, name, args.trials, args.sleep, "{parallel: 1, heartbeat: 1, timeout: 60}",
+                                   seed=3).path
             url = args.storage or f"sqlite:///{folder / 'study.db'}"
             wall, kills = run(path, url, args.workers, every, rng)
             lost, doubled, relost, left = audit(path, url)

@@ -29,9 +29,10 @@ TEMPLATE = textwrap.dedent("""\
     """)
 
 
-def sleepy_scenario(folder: Path, name: str, trials: int, sleep: float, resources: str) -> Scenario:
+def sleepy_scenario(folder: Path, name: str, trials: int, sleep: float, resources: str, seed: int = 1) -> Scenario:
     """A Monte Carlo sweep of ``trials`` trials that each sleep ``sleep`` seconds and print a
-    metric, written into ``folder`` (``resources``: the scenario's flow mapping) and loaded."""
+    metric, written into ``folder`` (``resources``: the scenario's flow mapping; ``seed``: the
+    design's) and loaded."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "trial.py.j2").write_text(TEMPLATE)
     (folder / "bench.yaml").write_text(textwrap.dedent(f"""\
@@ -41,7 +42,7 @@ def sleepy_scenario(folder: Path, name: str, trials: int, sleep: float, resource
         parameters:
           x: {{type: float, low: 0, high: 1}}
           sleep: {{type: constant, value: {sleep}}}
-        search: {{method: monte_carlo, trials: {trials}}}
+        search: {{method: monte_carlo, trials: {trials}, seed: {seed}}}
         resources: {resources}
         """))
     return load_scenario(folder / "bench.yaml")
