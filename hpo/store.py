@@ -23,7 +23,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -43,6 +43,7 @@ ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "des
 SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
 STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
 SNAPSHOT_FETCH_LIMIT = 500
+T = TypeVar("T")
 _LEGACY_RUN, _LEGACY_RESULT = "run", "result"
 _LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_DESIGN_INDEX: "hpo:design_index"}
 _STATE_OUTCOMES = {TrialState.COMPLETE: {Outcome.COMPLETE}, TrialState.PRUNED: {Outcome.PRUNED, Outcome.STOPPED},
@@ -295,8 +296,21 @@ class StudyStore:
             raise InputError(f"trial {number}: no such trial in study {self.scenario.name}") from None
 
     def ask(self) -> optuna.Trial:
-        """A new trial: the first WAITING one, else a proposal of the sampler (call under the lock)."""
-        return self.call(self.study.ask)
+        """A new trial: the first WAITING one, else a proposal of the sampler (call under the lock).
+
+        When an attempt's claim of a WAITING trial (or its new trial) reached the store but
+        the answer was lost in an outage, the retry takes that trial instead of another."""
+        sid = self._study_id
+        waiting = {t.number for t in self.call(self._storage.get_all_trials, sid, deepcopy=False,
+                                               states=(TrialState.WAITING,))}
+        known = self.call(self._storage.get_n_trials, sid)
+
+        def landed() -> optuna.Trial | None:
+            return next((optuna.trial.Trial(self.study, self._id(t.number))
+                         for t in self._storage.get_all_trials(sid, deepcopy=False, states=(TrialState.RUNNING,))
+                         if t.number in waiting or t.number >= known), None)
+
+        return self._once(self.study.ask, landed)
 
     def claim_waiting(self, number: int) -> optuna.Trial:
         """Claim the WAITING trial ``number`` itself (not the first in the queue)."""
@@ -305,8 +319,25 @@ class StudyStore:
         return optuna.trial.Trial(self.study, self._id(number))
 
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
-        """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock)."""
-        self.call(self.study.enqueue_trial, dict(params), user_attrs=dict(attrs))
+        """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),
+        once, even when an attempt reached the store but its answer was lost in an outage."""
+        known = self.call(self._storage.get_n_trials, self._study_id)
+        self._once(lambda: self.study.enqueue_trial(dict(params), user_attrs=dict(attrs)),
+                   lambda: True if self._storage.get_n_trials(self._study_id) > known else None)
+
+    def _once(self, make: Callable[[], T], landed: Callable[[], T | None]) -> T:
+        """``make()`` through an outage, made once: before each retry ``landed()`` returns
+        what an earlier attempt made in the store though its answer was lost, or None (call
+        under the lock, so that what changed in the store is this process's doing)."""
+        attempts = 0
+
+        def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
+            made = landed() if attempts > 1 else None
+            return made if made is not None else make()
+
+        return self.call(attempt)
 
     def set_attr(self, number: int, key: str, value: Any) -> None:
         """Set one user attribute of an unfinished trial."""

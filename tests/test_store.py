@@ -242,3 +242,38 @@ def test_a_recreated_study_does_not_read_the_old_cache(scenario: Scenario, tmp_p
     again = StudyStore(scenario, url)
     again.describe("x")
     assert StudyStore(scenario, url, create=False).snapshot() == []
+
+
+def _answer_lost_once(monkeypatch: pytest.MonkeyPatch, store: StudyStore, method: str) -> None:
+    """The storage's ``method`` does its work, then (once) the connection drops before the answer."""
+    import sqlalchemy.exc
+
+    real = getattr(store.optuna_storage, method)
+    lost = []
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)
+        if not lost:
+            lost.append(method)
+            raise sqlalchemy.exc.OperationalError(method, None, Exception("server closed the connection unexpectedly"))
+        return result
+
+    monkeypatch.setattr(store.optuna_storage, method, flaky)
+
+
+def test_a_claim_whose_answer_is_lost_takes_the_queued_trial_not_a_new_one(
+        scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    store.enqueue({"lr": 0.01}, {"design_index": 0})
+    _answer_lost_once(monkeypatch, store, "set_trial_state_values")
+    trial = store.ask()
+    assert trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
+    assert [t.number for t in store.trials()] == [0]
+
+
+def test_a_queued_trial_whose_answer_is_lost_is_queued_once(
+        scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    _answer_lost_once(monkeypatch, store, "_create_new_trial")  # what the study's caching storage calls
+    store.enqueue({"lr": 0.01}, {"design_index": 0})
+    assert [t.state for t in store.trials()] == [TrialState.WAITING]
