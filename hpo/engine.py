@@ -159,7 +159,8 @@ class Sweep:
         scenario on the study, and deal with the trials of workers that are gone."""
         preflight(self._renderer, self.config.workdir, self._design)
         store = self.store
-        with store.lock():
+
+        def section() -> None:
             recorded = store.user_attrs.get(STUDY_PARAMETERS)
             if recorded is not None and not self.config.allow_space_change:
                 change = space_change(recorded, space.describe(self._scenario.parameters))
@@ -168,6 +169,8 @@ class Sweep:
                                      "(resume with --allow-space-change to accept it, or use a new name)")
             store.describe(scenario_text(self._scenario.path))
             recover_stale(store, self.config.workdir, self.scheduler.worker, ())
+
+        store.locked(section)
 
     def stop(self) -> None:
         """End running trials (they run again on resume) and claim no more."""
@@ -262,8 +265,7 @@ class Sweep:
         return None
 
     def _claim(self) -> Claim | str | None:
-        store = self.store
-        with store.lock():
+        def section() -> Claim | str | None:
             if self._stopping.is_set():
                 return None
             with self._lock:
@@ -272,7 +274,9 @@ class Sweep:
             if isinstance(claimed, Claim):
                 with self._lock:
                     self._running[claimed.number] = _Running(claimed)
-        return claimed
+            return claimed
+
+        return self.store.locked(section)
 
     def _release(self, claim: Claim) -> None:
         try:
@@ -321,10 +325,9 @@ class Sweep:
             raise InputError(f"trial {number}: it has no configuration to run again yet")
         if seed is None:
             seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
-        with store.lock():
-            claim = self.scheduler.claim_rerun(original, seed)
-            with self._lock:
-                self._running[claim.number] = _Running(claim)
+        claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed))
+        with self._lock:
+            self._running[claim.number] = _Running(claim)
         self.watchdog.start(self._on_fatal)
         try:
             result = self._execute(self.config.slots[0], claim)

@@ -148,14 +148,15 @@ class Scheduler:
         store = self.store
         retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT)
         if result.outcome.run_again or retry:
-            with store.lock():
-                trials = store.trials()
-                rows = store.rows(trials)
+            def section() -> None:
+                rows = store.rows(store.trials())
                 row = next(r for r in rows if r.number == claim.number)
                 if result.outcome.run_again:
                     requeue(store, row, rows)
                 elif row.retries < store.scenario.search.retry_failed:
                     requeue(store, row, rows, **{ATTR_RETRY_OF: row.number, ATTR_RETRIES: row.retries + 1})
+
+            store.locked(section)
         return store.record(claim.number, result, claim.folder)
 
     def release(self, claim: Claim) -> None:

@@ -5,7 +5,8 @@ Storage URLs are Optuna's (``sqlite:///x.db``, ``postgresql://...``, ``mysql://.
 opened in WAL mode with a long busy timeout so several workers can share it.
 
 :func:`ask_lock` serialises askers across threads, processes and (for server databases)
-machines, so the trial budget is exact. :class:`Retrying` runs store calls through an
+machines, so the trial budget is exact; a server's lock can be lost in an outage, and the
+lock says so (:class:`LockLost`). :class:`Retrying` runs store calls through an
 outage: it retries with backoff for ``resources.store_retry`` seconds, then raises
 :class:`StoreUnavailable` with one line that says so.
 """
@@ -33,6 +34,11 @@ _SERVER_SCHEMES = ("postgresql", "postgres", "mysql")
 _THREAD_LOCK = threading.RLock()
 _log = logging.getLogger("hpo.storage")
 T = TypeVar("T")
+
+
+class LockLost(Exception):
+    """The server ended the session that held the ask lock (a restart, a dropped connection):
+    another process may have taken the lock since, so what was read under it is stale."""
 
 
 class StoreUnavailable(Exception):
@@ -136,31 +142,33 @@ def optuna_url(url: str) -> str:
 
 
 @contextlib.contextmanager
-def ask_lock(url: str) -> Iterator[None]:
-    """Hold the study-wide lock under which the budget is checked and a trial is asked.
+def ask_lock(url: str) -> Iterator[Callable[[], bool]]:
+    """Hold the study-wide lock under which the budget is checked and a trial is asked;
+    yields ``held()``, whether the lock is still this process's.
 
-    SQLite and journal files use a lock file beside them (all processes on the machine);
-    PostgreSQL and MySQL use an advisory lock on the server (all machines). Re-entrant
-    within a thread.
+    SQLite and journal files use a lock file beside them (all processes on the machine; it
+    is never lost). PostgreSQL and MySQL use a session's advisory lock on the server (all
+    machines): when the server ends that session, in a restart or with its connection, the
+    lock is gone and ``held()`` is False. Re-entrant within a thread.
     """
     with _THREAD_LOCK:
         local = local_path(url)
         if local is None:
-            with _server_lock(url):
-                yield
+            with _server_lock(url) as held:
+                yield held
             return
         lock_path = local.with_name(local.name + ".hpo-lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with lock_path.open("a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                yield
+                yield lambda: True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
-def _server_lock(url: str) -> Iterator[None]:
+def _server_lock(url: str) -> Iterator[Callable[[], bool]]:
     import sqlalchemy
 
     key = zlib.crc32(url.encode()) & 0x7FFFFFFF
@@ -177,8 +185,18 @@ def _server_lock(url: str) -> Iterator[None]:
             else:
                 raise InputError(f"--storage: {dialect} has no lock that hpo can share; "
                                  "use sqlite, postgresql or mysql")
+            conn.commit()  # the lock is the session's: no transaction stays open while it is held
+
+            def held() -> bool:
+                try:
+                    conn.execute(sqlalchemy.text("SELECT 1"))
+                    conn.commit()
+                    return True
+                except Exception:  # the session is gone, and its lock with it
+                    return False
+
             try:
-                yield
+                yield held
             finally:
                 with contextlib.suppress(Exception):  # a dropped connection releases the lock itself
                     conn.execute(sqlalchemy.text(release), {"k": arg})
@@ -212,13 +230,17 @@ class Retrying:
         deadline_s: how long one call may keep failing before :class:`StoreUnavailable`.
         on_outage: called with a one-line message when a call first fails and when the
             store answers again, e.g. to print it.
+        before_retry: called before each retry; what it raises ends the call (e.g.
+            :class:`LockLost`, when what the call was part of must start again).
     """
 
-    def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None) -> None:
+    def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None,
+                 before_retry: Callable[[], None] = lambda: None) -> None:
         self._url = redact(url)
         self._deadline_s = deadline_s
         self._on_outage = on_outage or (lambda message: _log.warning("%s", message))
         self._errors = _transient_errors()
+        self._before_retry = before_retry
         self._down_since: float | None = None
         self._up_since = float("-inf")
         self._lock = threading.Lock()
@@ -250,6 +272,7 @@ class Retrying:
                                            f"(resources.store_retry): {first_line[:200]}") from None
                 time.sleep(min(pause, max(0.0, self._deadline_s - elapsed)))
                 pause = min(pause * 2, 5.0)
+                self._before_retry()
                 continue
             with self._lock:
                 if self._down_since is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import threading
 import time
 import uuid
 import warnings
@@ -35,7 +37,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
-from hpo.storage import Retrying, ask_lock, local_path, open_storage
+from hpo.storage import LockLost, Retrying, ask_lock, local_path, open_storage
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
@@ -136,7 +138,9 @@ class StudyStore:
                  on_outage: Callable[[str], None] | None = None) -> None:
         self.scenario = scenario
         self.url = url
-        self.call = Retrying(url, scenario.resources.store_retry, on_outage)
+        self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
+        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_retry=self._check_lock)
+        self._holder: tuple[int, Callable[[], bool]] | None = None
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
@@ -162,17 +166,38 @@ class StudyStore:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """The study-wide ask lock (see :func:`hpo.storage.ask_lock`), taken through an outage."""
+        """The study-wide ask lock (see :func:`hpo.storage.ask_lock`), taken through an outage.
+        A store call under it that must be retried raises :class:`LockLost` instead when the
+        lock was lost meanwhile; :meth:`locked` runs a section again then."""
         def enter() -> Any:
-            held = ask_lock(self.url)
-            held.__enter__()
-            return held
+            context = ask_lock(self.url)
+            return context, context.__enter__()
 
-        held = self.call(enter)
+        context, held = self.call(enter)
+        outer, self._holder = self._holder, (threading.get_ident(), held)
         try:
             yield
         finally:
-            held.__exit__(None, None, None)
+            self._holder = outer
+            context.__exit__(None, None, None)
+
+    def locked(self, section: Callable[[], T]) -> T:
+        """``section()`` under the ask lock; when the lock was lost in an outage (another
+        process may have held it since), ``section()`` runs again from the start under the
+        lock taken anew, so it must read what it decides on inside and be safe to redo."""
+        while True:
+            try:
+                with self.lock():
+                    return section()
+            except LockLost:
+                self._on_outage("the store lost this worker's ask lock in the outage: taking it again "
+                                "and doing over what it was held for")
+
+    def _check_lock(self) -> None:
+        """Raise :class:`LockLost` in the thread that holds the ask lock if it is lost."""
+        holder = self._holder
+        if holder is not None and holder[0] == threading.get_ident() and not holder[1]():
+            raise LockLost("the ask lock was lost in an outage")
 
     @property
     def optuna_storage(self) -> optuna.storages.BaseStorage:

@@ -78,5 +78,5 @@ class Watchdog:
             healthy = store.call.healthy_since
             judge = healthy is not None and time.monotonic() - healthy > STALE_AFTER_BEATS * \
                 store.scenario.resources.heartbeat
-            with store.lock():
-                recover_stale(store, self._workdir, self._worker, set(self._claimed()), judge_beats=judge)
+            store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed()),
+                                               judge_beats=judge))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+import zlib
 from pathlib import Path
 
 import optuna
@@ -19,6 +20,7 @@ from optuna.trial import TrialState
 from hpo.errors import InputError
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario, load_scenario
+from hpo.scheduler import Claim, Scheduler
 from hpo.storage import ask_lock
 from hpo.store import SYS_STOP, StudyStore
 
@@ -106,3 +108,47 @@ def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method
     assert optuna.load_study(study_name=scenario.name, storage=backend if not backend.startswith("journal:")
                              else optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
                                  backend[len("journal:"):]))).best_value == min(r.value for r in rows)
+
+
+def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server restart ends the session that holds the ask lock while worker A is in the
+    middle of a claim: A has queued design point 0, and before A takes it, worker B takes the
+    lock and the queued point. A's claim starts again and takes point 1; no trial runs a
+    random point in place of the design's."""
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    import sqlalchemy
+
+    scenario = make_scenario(tmp_path)
+    design = [{"x": 0.1}, {"x": 0.2}, {"x": 0.3}, {"x": 0.4}]
+    a = Scheduler(StudyStore(scenario, POSTGRES), design, 4, tmp_path / "a", 1)
+    b = Scheduler(StudyStore(scenario, POSTGRES, create=False), design, 4, tmp_path / "b", 2)
+    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    storage = a.store.optuna_storage
+    real_create, real_read = storage._create_new_trial, storage.get_all_trials
+    claimed_by_b: list[Claim] = []
+
+    def create(*args: object, **kwargs: object) -> object:
+        created = real_create(*args, **kwargs)
+        monkeypatch.setattr(storage, "_create_new_trial", real_create)
+        monkeypatch.setattr(storage, "get_all_trials", restart)  # A's next read meets the outage
+        return created
+
+    def restart(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(storage, "get_all_trials", real_read)
+        if claimed_by_b:  # a retry of the call that met the outage
+            return real_read(*args, **kwargs)
+        with admin.connect() as conn:  # the server ends A's lock session, as a restart does
+            conn.execute(sqlalchemy.text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                         "AND objid = :key AND granted"), {"key": zlib.crc32(POSTGRES.encode()) & 0x7FFFFFFF})
+        claimed_by_b.append(b.store.locked(lambda: b.claim(set())))  # B gets the lock A lost
+        raise sqlalchemy.exc.OperationalError("get_all_trials", None, Exception("terminating connection"))
+
+    monkeypatch.setattr(storage, "_create_new_trial", create)
+    claimed_by_a = a.store.locked(lambda: a.claim(set()))
+    admin.dispose()
+    assert isinstance(claimed_by_a, Claim) and isinstance(claimed_by_b[0], Claim)
+    assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
+    rows = a.store.rows()
+    assert sorted((r.design_index, r.params["x"]) for r in rows) == [(0, 0.1), (1, 0.2)]
