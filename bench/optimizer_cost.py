@@ -79,6 +79,15 @@ def write_history(store: Path, name: str, n: int, seed: int = 0) -> None:
     study.add_trials(trials)
 
 
+def fresh_copy(history: Path, store: Path) -> Path:
+    """``store``, a copy of ``history`` with no write-ahead log of an earlier run beside it
+    (SQLite would replay that log onto the copy)."""
+    for leftover in (store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
+        leftover.unlink(missing_ok=True)
+    shutil.copy(history, store)
+    return store
+
+
 def continue_study(folder: Path, store: Path, name: str, method: str, total: int) -> float:
     """Seconds per trial of ``hpo run`` continuing the study in ``store`` to ``total`` trials."""
     scenario = {"name": name, "template": "trial.py.j2", "command": "python trial.py", "parameters": PARAMETERS,
@@ -138,13 +147,11 @@ def main() -> None:
         per_trial: dict[str, list[float]] = {"smac": [], "monte_carlo": []}
         for _ in range(args.repeats):
             for method, runs in per_trial.items():
-                store = folder / f"{method}.db"
-                shutil.copy(history, store)
+                store = fresh_copy(history, folder / f"{method}.db")
                 runs.append(continue_study(folder, store, name, method, args.history + args.more))
         alone = {}
         for method in ("smac", "random"):
-            store = folder / f"alone-{method}.db"
-            shutil.copy(history, store)
+            store = fresh_copy(history, folder / f"alone-{method}.db")
             alone[method] = sampler_alone(store, name, method, args.more)
     smac, mc = (statistics.median(per_trial[m]) for m in ("smac", "monte_carlo"))
     print(f"{args.history} finished trials, continued by {args.more}, {args.repeats} repeats (load "

@@ -325,15 +325,11 @@ class StudyStore:
 
         When an attempt's claim of a WAITING trial (or its new trial) reached the store but
         the answer was lost in an outage, the retry takes that trial instead of another."""
-        sid = self._study_id
-        waiting = {t.number for t in self.call(self._storage.get_all_trials, sid, deepcopy=False,
-                                               states=(TrialState.WAITING,))}
-        known = self.call(self._storage.get_n_trials, sid)
+        running = self._numbers(TrialState.RUNNING)
 
         def landed() -> optuna.Trial | None:
-            return next((optuna.trial.Trial(self.study, self._id(t.number))
-                         for t in self._storage.get_all_trials(sid, deepcopy=False, states=(TrialState.RUNNING,))
-                         if t.number in waiting or t.number >= known), None)
+            return next((optuna.trial.Trial(self.study, self._id(number))
+                         for number in sorted(self._numbers(TrialState.RUNNING, retried=False) - running)), None)
 
         return self._once(self.study.ask, landed)
 
@@ -346,9 +342,15 @@ class StudyStore:
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
         """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),
         once, even when an attempt reached the store but its answer was lost in an outage."""
-        known = self.call(self._storage.get_n_trials, self._study_id)
+        waiting = self._numbers(TrialState.WAITING)
         self._once(lambda: self.study.enqueue_trial(dict(params), user_attrs=dict(attrs)),
-                   lambda: True if self._storage.get_n_trials(self._study_id) > known else None)
+                   lambda: True if self._numbers(TrialState.WAITING, retried=False) - waiting else None)
+
+    def _numbers(self, state: TrialState, retried: bool = True) -> set[int]:
+        """The numbers of the trials in ``state`` now (read through an outage if ``retried``);
+        the storage filters them, so this costs those trials, not the whole study."""
+        read = self.call if retried else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
+        return {t.number for t in read(self._storage.get_all_trials, self._study_id, deepcopy=False, states=(state,))}
 
     def _once(self, make: Callable[[], T], landed: Callable[[], T | None]) -> T:
         """``make()`` through an outage, made once: before each retry ``landed()`` returns

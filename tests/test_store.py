@@ -277,3 +277,23 @@ def test_a_queued_trial_whose_answer_is_lost_is_queued_once(
     _answer_lost_once(monkeypatch, store, "_create_new_trial")  # what the study's caching storage calls
     store.enqueue({"lr": 0.01}, {"design_index": 0})
     assert [t.state for t in store.trials()] == [TrialState.WAITING]
+
+
+def test_ask_and_enqueue_read_only_the_trials_in_their_state(
+        scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim on a long study must not read every trial from the storage past Optuna's cache
+    (it did, to count them: 0.8 s a trial at 1,000 trials)."""
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    store.study.add_trials([create_trial(params={"x": i / 10}, distributions=DIST, value=i) for i in range(10)])
+    storage = store.optuna_storage
+    real = storage.get_all_trials
+    reads: list[object] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reads.append(kwargs.get("states"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "get_all_trials", counted)
+    store.enqueue({"lr": 0.01}, {"design_index": 0})
+    store.ask()
+    assert reads and None not in reads
