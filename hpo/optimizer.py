@@ -46,8 +46,9 @@ class SmacSampler(BaseSampler):
 
     Each trial gets one configuration from the study's history: an initial design (random
     draws as Optuna's GPSampler makes them where the GP may be used, else scrambled Sobol)
-    until ``n_initial`` trials have a cost (crashes count: they cost the worst cost seen), then
-    the configuration of highest expected improvement under the model (and, if
+    until ``n_initial`` trials have a cost (crashes count: they cost the worst cost seen; the
+    GP's random start also counts running trials, so parallel workers draw no more of it than
+    one worker does), then the configuration of highest expected improvement under the model (and, if
     ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
     configuration already in the history (whatever its outcome) or running is never proposed
     while an unseen one can be found. Parameters must be suggested under their names and
@@ -172,11 +173,12 @@ class SmacSampler(BaseSampler):
         finished = self._history.finished(study.study_name)
         for number in [n for n in mine if n in finished]:
             del self._proposals[(study.study_name, number)]
-        if len(observations.y) < self._n_initial and self._gp_allowed:
+        started = len(observations.y) + len(observations.pending)  # running start draws count (SMAC's too)
+        if self._gp_allowed and (started < self._n_initial or not len(observations.y)):
             return self._unseen_or_first({name: self._start.sample_independent(study, trial, name, distribution)
                                           for name, distribution in self._codec.distributions().items()},
                                          observations.seen, rng)
-        if len(observations.y) < self._n_initial:
+        if len(observations.y) < self._n_initial and not self._gp_allowed:
             design = self._initial_design(len(observations.seen) + self._n_initial)
             candidates = np.vstack([design[len(observations.seen):], design])
         elif self._random_every > 0 and trial.number % self._random_every == self._random_every - 1:

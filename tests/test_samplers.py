@@ -205,3 +205,23 @@ def test_choices_that_compare_equal_are_bad_input(tmp_path: Path, write_scenario
         run = run_cli("validate", path)
         assert run.returncode == 2 and message in run.stderr + run.stdout
         assert len((run.stderr + run.stdout).strip().splitlines()) == 1
+
+
+def test_running_start_draws_count_toward_the_gps_random_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel workers draw 10 random start configurations in all, as one worker does, not
+    10 plus those running when the tenth finished."""
+    from hpo.gp import GPProposer
+
+    proposals = []
+    real = GPProposer.propose
+    monkeypatch.setattr(GPProposer, "propose", lambda self, obs: proposals.append(len(obs.y)) or real(self, obs))
+    params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=2))
+    for _ in range(3):  # three other workers' trials, still running
+        _suggest(params)(study.ask())
+    for _ in range(10):
+        trial = study.ask()
+        values = _suggest(params)(trial)
+        study.tell(trial, values["x"] + values["y"])
+    assert proposals == [7, 8, 9]
+    assert len(set(_params(study))) == 13
