@@ -82,6 +82,8 @@ def main() -> None:
     for workers, runs in results.items():
         print(f"{workers:>8} {statistics.median(r[0] for r in runs):>14.4f} {sum(r[1] for r in runs):>11} "
               f"{statistics.median(r[2] for r in runs):>12.0f}")
+    for workers, runs in results.items():
+        print(f"regret by seed, {workers} worker{'s' if workers > 1 else ''}: " + " ".join(f"{r[0]:.3g}" for r in runs))
     one, many = (statistics.median(r[0] for r in results[w]) for w in results)
     speed = statistics.median(r[2] for r in results[args.workers]) / statistics.median(r[2] for r in results[1])
     print(f"regret ratio {args.workers} workers / 1 worker: {many / one:.2f} (goal <= 1.2)   throughput x{speed:.2f}")

@@ -8,13 +8,16 @@ so a trial whose parameters are all fixed (enqueued) costs no proposal. The hist
 from the study incrementally (:class:`hpo.history.History`), so any number of threads and
 processes can share one storage.
 
-Like SMAC3's facades it is a portfolio. While the space is small and unconditional and the
-history short, it is Optuna's GPSampler (:mod:`hpo.gp`) through and through: the same random
-start (the same draws for the same seed) and the same proposals from the same history, so on
-such a problem ``smac`` and ``gp`` find the same configurations, except that ``smac`` learns
-from crashes and never repeats a configuration. For conditional or large spaces and long
-histories it is a scrambled Sobol design, then SMAC's random forest (:mod:`hpo.forest`),
-whose cost stays flat.
+Like SMAC3's facades it is a portfolio. While the space is unconditional with at most 10
+searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`) through
+and through: the same random start (the same draws for the same seed) and the same proposals
+from the same history, so on such a problem ``smac`` and ``gp`` find the same configurations,
+except that ``smac`` learns from crashes and never repeats a configuration. For conditional
+or larger spaces and long histories it is a scrambled Sobol design, then SMAC's random forest
+(:mod:`hpo.forest`), whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far
+ahead of the forest on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D
+Branin (median regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100); the
+suite has nothing in between, so the line at 10 is a choice within that gap.
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ class SmacSampler(BaseSampler):
         direction: str = "minimize",
         n_initial: int | None = None,
         model: str = "auto",
-        gp_max_dims: int = 20,
+        gp_max_dims: int = 10,
         gp_max_points: int = 200,
         random_every: int = 0,
         n_trees: int = 10,

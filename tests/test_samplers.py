@@ -225,3 +225,22 @@ def test_running_start_draws_count_toward_the_gps_random_start(monkeypatch: pyte
         study.tell(trial, values["x"] + values["y"])
     assert proposals == [7, 8, 9]
     assert len(set(_params(study))) == 13
+
+
+@pytest.mark.parametrize(("dims", "model"), [(10, "gp"), (11, "forest")])
+def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: pytest.MonkeyPatch, dims: int,
+                                                                  model: str) -> None:
+    """After its start design, smac proposes with Optuna's GP on an unconditional space of up
+    to 10 searched parameters and with the random forest on a larger one."""
+    import hpo.optimizer
+    from hpo.gp import GPProposer
+
+    used = []
+    gp_propose, forest_search = GPProposer.propose, hpo.optimizer.search
+    monkeypatch.setattr(GPProposer, "propose", lambda self, obs: used.append("gp") or gp_propose(self, obs))
+    monkeypatch.setattr(hpo.optimizer, "search", lambda *a, **k: used.append("forest") or forest_search(*a, **k))
+    params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(dims)}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    study.optimize(lambda trial: sum(_suggest(params)(trial).values()), n_trials=dims + 4)
+    assert used and set(used) == {model}
+    assert len(set(_params(study))) == dims + 4
