@@ -51,7 +51,6 @@ class Observations:
         seen: keys (:func:`hpo.codec.keys`) of every configuration in the history and pending.
         budget: the step the costs were taken at; ``inf`` for final values.
         params: the parameter values of each row of ``x`` exactly as the trial has them.
-        pending_params: the same for each row of ``pending``.
     """
 
     x: np.ndarray
@@ -61,7 +60,6 @@ class Observations:
     seen: frozenset[bytes]
     budget: float = _TOP
     params: tuple[Mapping[str, Any], ...] = ()
-    pending_params: tuple[Mapping[str, Any], ...] = ()
 
 
 class _Finished:
@@ -109,7 +107,7 @@ class History:
         seen = frozenset(finished.seen.union(keys(pending)))
         use, y, crashed, budget = self._costs(finished)
         return Observations(finished.x[use], y, crashed, pending, seen, budget,
-                            tuple(p for p, used in zip(finished.params, use) if used), tuple(running))
+                            tuple(p for p, used in zip(finished.params, use) if used))
 
     def finished(self, study_name: str) -> frozenset[int]:
         """Numbers of the trials of ``study_name`` that were finished when it was last read."""

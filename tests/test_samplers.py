@@ -244,3 +244,23 @@ def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: p
     study.optimize(lambda trial: sum(_suggest(params)(trial).values()), n_trials=dims + 4)
     assert used and set(used) == {model}
     assert len(set(_params(study))) == dims + 4
+
+
+def test_the_gp_proposes_from_finished_trials_alone() -> None:
+    """Other workers' running trials do not move the GP's proposal (see hpo.gp); they only
+    count as seen, so the proposal is never one of them."""
+    import numpy as np
+
+    from hpo.codec import Codec, keys
+    from hpo.gp import GPProposer
+    from hpo.history import Observations
+
+    params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
+    codec = Codec(params)
+    rng = np.random.default_rng(0)
+    x = codec.sample(12, rng)
+    y = (x[:, 0] - 0.3) ** 2 + (x[:, 1] - 0.6) ** 2
+    pending = codec.sample(3, rng)
+    alone = Observations(x, y, np.zeros(12, dtype=bool), np.empty((0, 2)), frozenset(keys(x)))
+    beside = Observations(x, y, np.zeros(12, dtype=bool), pending, frozenset(keys(np.vstack([x, pending]))))
+    assert GPProposer(codec, seed=5).propose(beside) == GPProposer(codec, seed=5).propose(alone)
