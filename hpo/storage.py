@@ -230,17 +230,18 @@ class Retrying:
         deadline_s: how long one call may keep failing before :class:`StoreUnavailable`.
         on_outage: called with a one-line message when a call first fails and when the
             store answers again, e.g. to print it.
-        before_retry: called before each retry; what it raises ends the call (e.g.
-            :class:`LockLost`, when what the call was part of must start again).
+        before_attempt: called before each attempt, the first included; what it raises ends
+            the call (e.g. :class:`LockLost`, when what the call is part of must start again:
+            a lost lock need not make any call fail, as a pool reconnects unseen).
     """
 
     def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None,
-                 before_retry: Callable[[], None] = lambda: None) -> None:
+                 before_attempt: Callable[[], None] = lambda: None) -> None:
         self._url = redact(url)
         self._deadline_s = deadline_s
         self._on_outage = on_outage or (lambda message: _log.warning("%s", message))
         self._errors = _transient_errors()
-        self._before_retry = before_retry
+        self._before_attempt = before_attempt
         self._down_since: float | None = None
         self._up_since = float("-inf")
         self._lock = threading.Lock()
@@ -257,6 +258,7 @@ class Retrying:
         start = time.monotonic()
         pause = 0.2
         while True:
+            self._before_attempt()
             try:
                 result = fn(*args, **kwargs)
             except self._errors as exc:
@@ -272,7 +274,6 @@ class Retrying:
                                            f"(resources.store_retry): {first_line[:200]}") from None
                 time.sleep(min(pause, max(0.0, self._deadline_s - elapsed)))
                 pause = min(pause * 2, 5.0)
-                self._before_retry()
                 continue
             with self._lock:
                 if self._down_since is not None:

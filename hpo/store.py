@@ -139,7 +139,7 @@ class StudyStore:
         self.scenario = scenario
         self.url = url
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
-        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_retry=self._check_lock)
+        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock)
         self._holder: tuple[int, Callable[[], bool]] | None = None
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
@@ -167,8 +167,8 @@ class StudyStore:
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """The study-wide ask lock (see :func:`hpo.storage.ask_lock`), taken through an outage.
-        A store call under it that must be retried raises :class:`LockLost` instead when the
-        lock was lost meanwhile; :meth:`locked` runs a section again then."""
+        A store call under it raises :class:`LockLost` instead of running when the lock was
+        lost meanwhile; :meth:`locked` runs a section again then."""
         def enter() -> Any:
             context = ask_lock(self.url)
             return context, context.__enter__()
