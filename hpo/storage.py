@@ -2,7 +2,10 @@
 
 Storage URLs are Optuna's (``sqlite:///x.db``, ``postgresql://...``, ``mysql://...``) plus
 ``journal:PATH`` for Optuna's journal file. The default is an SQLite file in the workdir,
-opened in WAL mode with a long busy timeout so several workers can share it.
+opened in WAL mode with a long busy timeout so several workers can share it, and with
+``synchronous=NORMAL``, which in WAL mode loses no commit when a process is killed and never
+corrupts the file (a power cut may undo the last commits; the trials they touched are then
+recovered as lost ones are).
 
 :func:`ask_lock` serialises askers across threads, processes and (for server databases)
 machines, so the trial budget is exact; a server's lock can be lost in an outage, and the
@@ -98,7 +101,7 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         sqlite.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.closing(sqlite3.connect(sqlite, timeout=SQLITE_TIMEOUT_S)) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
-        kwargs["connect_args"] = {"timeout": SQLITE_TIMEOUT_S}
+        kwargs["connect_args"] = {"timeout": SQLITE_TIMEOUT_S, "factory": _SQLiteConnection}
     else:
         kwargs["pool_pre_ping"] = True
     try:
@@ -117,6 +120,17 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
         raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
+
+
+class _SQLiteConnection(sqlite3.Connection):
+    """An SQLite connection that syncs the WAL at checkpoints only (``synchronous=NORMAL``):
+    with ``FULL``, SQLite's default, each commit waits for the disk (0.35 ms against 0.02 ms
+    on a local disk, and a model-based sweep makes about 13 commits a trial in its critical
+    path)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.execute("PRAGMA synchronous=NORMAL")
 
 
 def redact(url: str) -> str:

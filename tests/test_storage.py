@@ -59,6 +59,18 @@ def test_open_storage_kinds(tmp_path: Path, url: str, kind: type, path: str) -> 
     assert (tmp_path / path).is_file()
 
 
+def test_sqlite_runs_in_wal_mode_syncing_at_checkpoints(tmp_path: Path) -> None:
+    storage = open_storage(f"sqlite:///{tmp_path}/study.db")
+    study = optuna.create_study(storage=storage)
+    study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0), n_trials=2)
+    with storage.engine.connect() as connection:  # a connection from the pool the study used
+        pragma = connection.exec_driver_sql
+        assert pragma("PRAGMA journal_mode").scalar() == "wal"
+        assert pragma("PRAGMA synchronous").scalar() == 1  # NORMAL
+    reopened = optuna.load_study(study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path}/study.db"))
+    assert len(reopened.trials) == 2
+
+
 def test_bad_url_is_an_input_error() -> None:
     with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):
         open_storage("nosuchdb://x")
