@@ -124,9 +124,10 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
 
 class _SQLiteConnection(sqlite3.Connection):
     """An SQLite connection that syncs the WAL at checkpoints only (``synchronous=NORMAL``):
-    with ``FULL``, SQLite's default, each commit waits for the disk (0.35 ms against 0.02 ms
-    on a local disk, and a model-based sweep makes about 13 commits a trial in its critical
-    path)."""
+    with ``FULL``, SQLite's default, each commit waits for the disk. On a local disk a bare
+    commit takes 0.35 ms with ``FULL`` and 0.02 ms with ``NORMAL``; through Optuna's storage,
+    whose calls cost about 1 ms each, the gain is about 0.1 ms a call (a model-based sweep makes
+    about 13 a trial in its critical path), more on a slow or network disk."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
