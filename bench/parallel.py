@@ -10,6 +10,7 @@ above 0.1: Hartmann-6's best local minimum is 0.12 above its global one), duplic
 groups; the count of trapped runs says which.
 
     python -m bench.parallel [--workers 4] [--trials 50] [--seeds 10] [--sleep 0.3] [--method smac]
+    python -m bench.parallel --seeds 11:21    # seeds 11 to 20, to add to an earlier run's
 """
 from __future__ import annotations
 
@@ -65,12 +66,18 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
 
 
+def seed_range(text: str) -> range:
+    """``N`` (seeds 1 to N) or ``A:B`` (seeds A to B-1)."""
+    first, _, last = text.rpartition(":")
+    return range(int(first), int(last)) if first else range(1, int(last) + 1)
+
+
 def main() -> None:
     """Run the benchmark and print its figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--trials", type=int, default=50)
-    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--seeds", type=seed_range, default=seed_range("10"), help="N (seeds 1 to N) or A:B")
     parser.add_argument("--sleep", type=float, default=0.3)
     parser.add_argument("--method", default="smac")
     args = parser.parse_args()
@@ -78,10 +85,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "trial.py.j2").write_text(TEMPLATE)
-        for seed in range(1, args.seeds + 1):
+        for seed in args.seeds:
             for workers, runs in results.items():
                 runs.append(run_study(folder, workers, args.trials, seed, args.sleep, args.method))
-    print(f"Hartmann-6, method {args.method}, {args.trials} trials, {args.seeds} seeds, {args.sleep:g} s per trial")
+    print(f"Hartmann-6, method {args.method}, {args.trials} trials, seeds {args.seeds.start}-{args.seeds.stop - 1}, "
+          f"{args.sleep:g} s per trial")
     print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'duplicates':>11} {'trials/hour':>12}")
     for workers, runs in results.items():
         trapped = sum(r[0] > TRAPPED for r in runs)
