@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 MODELS = ("auto", "forest", "gp")
 _GP_INITIAL = 10
+_NEAR = 0.01
 
 
 class SmacSampler(BaseSampler):
@@ -54,8 +55,10 @@ class SmacSampler(BaseSampler):
     one worker does), then the configuration of highest expected improvement under the model (and, if
     ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
     configuration already in the history (whatever its outcome) or running is never proposed
-    while an unseen one can be found. Parameters must be suggested under their names and
-    values (as :func:`hpo.space.suggest` does); a name outside ``params`` is sampled at random.
+    while an unseen one can be found, and a GP proposal within 1 % of each range of a running
+    configuration is made again with the running trials shown to the GP (:mod:`hpo.gp`).
+    Parameters must be suggested under their names and values (as :func:`hpo.space.suggest`
+    does); a name outside ``params`` is sampled at random.
 
     Args:
         params: the parameters, in definition order (conditions, steps and log scales included);
@@ -188,7 +191,10 @@ class SmacSampler(BaseSampler):
             candidates = self._codec.sample(self._n_random, rng)
         elif self._gp_allowed and len(observations.y) <= self._gp_max_points:
             self._gp = self._gp or GPProposer(self._codec, self._seed)
-            return self._unseen_or_first(self._gp.propose(observations), observations.seen, rng)
+            proposal = self._gp.propose(observations)
+            if self._near_pending(proposal, observations.pending):
+                proposal = self._gp.propose(observations, running=True)
+            return self._unseen_or_first(proposal, observations.seen, rng)
         else:
             forest = self._fit(study.study_name, observations, rng)
             near = np.vstack([observations.x, observations.pending])
@@ -204,6 +210,14 @@ class SmacSampler(BaseSampler):
             return {**self._codec.decode(row[0]), **params}
         return self._codec.decode(self._first_unseen(self._codec.perturb(np.repeat(row, 20, axis=0), 0.001, rng),
                                                      seen, rng))
+
+    def _near_pending(self, params: dict[str, Any], pending: np.ndarray) -> bool:
+        """Whether ``params`` lies within 1 % of each range of a running configuration."""
+        if not len(pending):
+            return False
+        row = self._codec.canonical(self._codec.encode([params]))
+        close = np.abs(self._codec.canonical(pending) - row) <= _NEAR
+        return bool(np.any(np.all(close | np.isnan(pending), axis=1)))
 
     def _first_unseen(self, candidates: np.ndarray, seen: frozenset[bytes], rng: np.random.Generator) -> np.ndarray:
         """The first candidate not in ``seen``, else the first unseen random configuration,

@@ -264,3 +264,22 @@ def test_the_gp_proposes_from_finished_trials_alone() -> None:
     alone = Observations(x, y, np.zeros(12, dtype=bool), np.empty((0, 2)), frozenset(keys(x)))
     beside = Observations(x, y, np.zeros(12, dtype=bool), pending, frozenset(keys(np.vstack([x, pending]))))
     assert GPProposer(codec, seed=5).propose(beside) == GPProposer(codec, seed=5).propose(alone)
+
+
+def test_a_gp_proposal_beside_a_running_trial_is_made_again_around_it() -> None:
+    """Where the GP's proposal falls within 1 % of a running configuration (two workers whose
+    acquisitions agree), it proposes again with the running trials shown to it, so the second
+    worker evaluates somewhere else instead of beside the first."""
+    params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
+    distributions = space.distributions(params)
+    start = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    study = optuna.create_study(sampler=SmacSampler(params, seed=5))
+    for _ in range(12):
+        values = space.suggest(start.ask(), params)
+        value = (values["x"] - 0.3) ** 2 + (values["y"] - 0.6) ** 2
+        study.add_trial(optuna.trial.create_trial(params=values, distributions=distributions, value=value))
+
+    running = space.suggest(study.ask(), params)  # worker A's proposal, left running
+    study.sampler = SmacSampler(params, seed=5)  # worker B: the same model, so the same first proposal
+    beside = space.suggest(study.ask(), params)
+    assert max(abs(running[name] - beside[name]) for name in params) > 0.01
