@@ -162,16 +162,16 @@ def load(path: str) -> list[Run]:
     return [Run(**{**r, "best": {int(b): v for b, v in r["best"].items()}}) for r in rows]
 
 
-def _seeds(text: str) -> range:
-    """``N`` (seeds 0 to N-1) or ``A:B`` (seeds A to B-1)."""
-    first, _, last = text.rpartition(":")
-    return range(int(first or 0), int(last))
+def seed_range(text: str, first: int = 0) -> range:
+    """``N`` (N seeds from ``first``) or ``A:B`` (seeds A to B-1)."""
+    start, _, stop = text.rpartition(":")
+    return range(int(start), int(stop)) if start else range(first, first + int(stop))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run every (method, function, seed) on ``--jobs`` processes, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=_seeds, default=range(10), help="N seeds (0 to N-1, default 10) or A:B")
+    parser.add_argument("--seeds", type=seed_range, default=range(10), help="N seeds (0 to N-1, default 10) or A:B")
     parser.add_argument("--functions", default=",".join(FUNCTIONS), help="comma-separated names or tags")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS + VARIANTS))
     parser.add_argument("--quick", action="store_true", help="3 seeds and 50 trials")

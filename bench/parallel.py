@@ -15,6 +15,7 @@ groups; the count of trapped runs says which.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -24,6 +25,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from bench.optimizers import seed_range
 from hpo.scenario import load_scenario
 from hpo.storage import storage_url
 from hpo.store import StudyStore
@@ -66,18 +68,13 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
 
 
-def seed_range(text: str) -> range:
-    """``N`` (seeds 1 to N) or ``A:B`` (seeds A to B-1)."""
-    first, _, last = text.rpartition(":")
-    return range(int(first), int(last)) if first else range(1, int(last) + 1)
-
-
 def main() -> None:
     """Run the benchmark and print its figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--trials", type=int, default=50)
-    parser.add_argument("--seeds", type=seed_range, default=seed_range("10"), help="N (seeds 1 to N) or A:B")
+    from_one = functools.partial(seed_range, first=1)
+    parser.add_argument("--seeds", type=from_one, default=from_one("10"), help="N (seeds 1 to N) or A:B")
     parser.add_argument("--sleep", type=float, default=0.3)
     parser.add_argument("--method", default="smac")
     args = parser.parse_args()
