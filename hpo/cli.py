@@ -169,11 +169,14 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
                executor: Any = None) -> int:
+    from hpo import forest_service
     from hpo.engine import Sweep
     from hpo.progress import ProgressView
 
     try:
         sweep = Sweep(_sweep_config(ctx, slots, seed, args), executor)
+        if not sweep.uses_forest:
+            forest_service.stop()
         sweep.prepare()
         signals = _Signals(lambda signum: sweep.stop())
         with signals.installed():
@@ -646,6 +649,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _start_forest_helper(scenario_path: str) -> None:
+    """Start smac's forest helper (:mod:`hpo.forest_service`) before anything slow, where the
+    scenario file asks for smac: it imports scikit-learn while this process imports Optuna and
+    opens the store. :func:`_run_sweep` stops it if the sweep's sampler has no use for it."""
+    import yaml
+
+    try:
+        method = yaml.safe_load(Path(scenario_path).read_text())["search"]["method"]
+    except Exception:  # the scenario's own loading says what is wrong with it
+        return
+    if method == "smac":
+        from hpo import forest_service
+
+        forest_service.start()
+
+
 def _quiet_optuna() -> None:
     """The command line speaks for itself: Optuna's info logs and API warnings stay out."""
     import warnings
@@ -659,8 +678,7 @@ def _quiet_optuna() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hpo`` console script; returns the exit code."""
-    from hpo.errors import ExecutorUnavailable
-    from hpo.storage import StoreUnavailable
+    from hpo.errors import ExecutorUnavailable, StoreUnavailable
 
     parser = build_parser()
     try:
@@ -668,6 +686,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "handler", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_INPUT
+        if args.handler is cmd_worker or (args.handler is cmd_run and args.workers == 1):
+            _start_forest_helper(args.scenario)
         if args.handler not in (cmd_status, cmd_export, cmd_best):  # these may answer from the row cache
             _quiet_optuna()
         return int(args.handler(args))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from hpo import designs, space
-from hpo.errors import ExecutorUnavailable, InputError
+from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
 from hpo.executor import Executor, LocalExecutor, TrialSpec
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
@@ -37,7 +37,6 @@ from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
 from hpo.scheduler import Claim, Scheduler
 from hpo.spacecheck import space_change
-from hpo.storage import StoreUnavailable
 from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
 
@@ -133,6 +132,16 @@ class Sweep:
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
         self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial)
+
+    @property
+    def uses_forest(self) -> bool:
+        """Whether smac's forest may propose trials of this sweep (see :mod:`hpo.forest_service`)."""
+        if self._scenario.search.method != "smac":
+            return False
+        from hpo.optimizer import SmacSampler
+
+        sampler = self.store.study.sampler
+        return isinstance(sampler, SmacSampler) and sampler.uses_forest_within(self.scheduler.budget)
 
     @property
     def budget(self) -> int:

@@ -1,4 +1,5 @@
-"""The exceptions the CLI turns into one line: bad input (exit code 2) and an executor that is gone (exit 1)."""
+"""The exceptions the CLI turns into one line: bad input (exit code 2), and a store or an executor
+that is gone (exit 1)."""
 from __future__ import annotations
 
 
@@ -13,3 +14,7 @@ class InputError(Exception):
 class ExecutorUnavailable(Exception):
     """The executor can run no more trials (its Dask scheduler is gone): the sweep stops, its
     running trials are recorded INTERRUPTED and run again on resume."""
+
+
+class StoreUnavailable(Exception):
+    """The store stayed unreachable past the retry deadline; the message is one line."""

@@ -4,11 +4,15 @@
 trees with randomized split points, every feature considered, grown to single points, the
 spread of the trees as the uncertainty) fitted to SMAC's log-scaled costs. :func:`search`
 ranks candidate configurations by expected improvement: random ones and neighbours of the
-best observed ones, refined around the best candidates at shrinking scales.
+best observed ones, refined around the best candidates at shrinking scales. :func:`ranked` is
+what the optimizer calls (through :mod:`hpo.forest_service`): it fits a forest, or reuses the
+last one while the history has barely grown, and searches.
 """
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
 from scipy.spatial import cKDTree
@@ -16,6 +20,32 @@ from scipy.special import ndtr
 
 from hpo.codec import Codec, impute
 from hpo.history import Observations
+
+_KEPT = 8  # fitted forests kept for reuse (one per sampler and study); the oldest go first
+_fitted: OrderedDict[str, Forest] = OrderedDict()
+_fitted_lock = threading.Lock()
+
+
+def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Generator, *, n_trees: int,
+           max_points: int, n_random: int, n_starts: int) -> np.ndarray:
+    """The candidates of :func:`search`, best first, away from the observed and pending rows.
+
+    The forest is the one last fitted under ``key`` (a sampler and a study) while the history
+    has grown by under 1 % since (by nothing below 100 observations), else one fitted now.
+    ``rng`` draws the fit's seed first, whether a forest is fitted or not, then searches.
+    """
+    seed = int(rng.integers(2**31 - 1))
+    with _fitted_lock:
+        forest = _fitted.get(key)
+    if forest is None or not 100 <= forest.n_observed <= len(observations.y) < forest.n_observed * 1.01:
+        forest = Forest(codec, observations, n_trees=n_trees, max_points=max_points, seed=seed)
+    with _fitted_lock:
+        _fitted[key] = forest
+        _fitted.move_to_end(key)
+        while len(_fitted) > _KEPT:
+            _fitted.popitem(last=False)
+    near = np.vstack([observations.x, observations.pending])
+    return search(codec, forest, near, rng, n_random, n_starts)
 
 
 def log_costs(costs: np.ndarray) -> np.ndarray:

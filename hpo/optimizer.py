@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +32,10 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import forest_service
 from hpo.codec import Codec, keys
-from hpo.forest import Forest, search
 from hpo.gp import GPProposer
-from hpo.history import History, Observations
+from hpo.history import History
 from hpo.scenario import Param
 
 if TYPE_CHECKING:
@@ -119,8 +120,12 @@ class SmacSampler(BaseSampler):
         self._start = RandomSampler(seed=seed)
         self._lock = threading.Lock()
         self._proposals: dict[tuple[str, int], dict[str, Any]] = {}
-        self._forest: tuple[str, Forest] | None = None
+        self._key = uuid.uuid4().hex  # names this sampler's fitted forests (hpo.forest.ranked)
         self._single_objective: set[str] = set()
+
+    def uses_forest_within(self, n_trials: int) -> bool:
+        """Whether the forest may make a proposal in a study of ``n_trials`` trials."""
+        return self._searched > 0 and (not self._gp_allowed or n_trials > self._gp_max_points)
 
     def reseed_rng(self) -> None:
         """Forget the seed: later proposals draw fresh randomness."""
@@ -196,9 +201,9 @@ class SmacSampler(BaseSampler):
                 proposal = self._gp.propose(observations, running=True)
             return self._unseen_or_first(proposal, observations.seen, rng)
         else:
-            forest = self._fit(study.study_name, observations, rng)
-            near = np.vstack([observations.x, observations.pending])
-            candidates = search(self._codec, forest, near, rng, self._n_random, self._n_starts)
+            candidates = forest_service.ranked(self._codec, observations, f"{self._key}:{study.study_name}", rng,
+                                               n_trees=self._n_trees, max_points=self._max_points,
+                                               n_random=self._n_random, n_starts=self._n_starts)
         return self._codec.decode(self._first_unseen(candidates, observations.seen, rng))
 
     def _unseen_or_first(self, params: dict[str, Any], seen: frozenset[bytes], rng: np.random.Generator
@@ -233,18 +238,6 @@ class SmacSampler(BaseSampler):
 
         sobol = qmc.Sobol(self._codec.dim, scramble=True, seed=self._seed)
         return self._codec.from_unit(sobol.random_base2(max(1, math.ceil(math.log2(n)))))
-
-    def _fit(self, study_name: str, observations: Observations, rng: np.random.Generator) -> Forest:
-        """The forest of the last proposal while the history has grown by under 1 % since
-        (by nothing below 100 observations), else a forest fitted now."""
-        seed = int(rng.integers(2**31 - 1))
-        if self._forest is not None and self._forest[0] == study_name:
-            fitted = self._forest[1]
-            if 100 <= fitted.n_observed <= len(observations.y) < fitted.n_observed * 1.01:
-                return fitted
-        forest = Forest(self._codec, observations, n_trees=self._n_trees, max_points=self._max_points, seed=seed)
-        self._forest = (study_name, forest)
-        return forest
 
 
 def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:

@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
-from hpo.errors import InputError
+from hpo.errors import InputError, StoreUnavailable
 
 if TYPE_CHECKING:
     import optuna
@@ -42,10 +42,6 @@ T = TypeVar("T")
 class LockLost(Exception):
     """The server ended the session that held the ask lock (a restart, a dropped connection):
     another process may have taken the lock since, so what was read under it is stale."""
-
-
-class StoreUnavailable(Exception):
-    """The store stayed unreachable past the retry deadline; the message is one line."""
 
 
 def storage_url(scenario: Any, override: str | None = None, workdir: Path | None = None) -> str:

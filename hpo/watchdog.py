@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from hpo.errors import StoreUnavailable
 from hpo.recovery import STALE_AFTER_BEATS, recover_stale
-from hpo.storage import StoreUnavailable
 from hpo.store import StudyStore
 
 WATCH_INTERVAL_S = 1.0

@@ -232,13 +232,13 @@ def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: p
                                                                   model: str) -> None:
     """After its start design, smac proposes with Optuna's GP on an unconditional space of up
     to 10 searched parameters and with the random forest on a larger one."""
-    import hpo.optimizer
+    from hpo import forest_service
     from hpo.gp import GPProposer
 
     used = []
-    gp_propose, forest_search = GPProposer.propose, hpo.optimizer.search
+    gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
     monkeypatch.setattr(GPProposer, "propose", lambda self, obs: used.append("gp") or gp_propose(self, obs))
-    monkeypatch.setattr(hpo.optimizer, "search", lambda *a, **k: used.append("forest") or forest_search(*a, **k))
+    monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
     params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(dims)}
     study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
     study.optimize(lambda trial: sum(_suggest(params)(trial).values()), n_trials=dims + 4)

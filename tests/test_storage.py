@@ -12,9 +12,9 @@ import optuna
 import pytest
 from optuna.storages import JournalStorage, RDBStorage
 
-from hpo.errors import InputError
+from hpo.errors import InputError, StoreUnavailable
 from hpo.scenario import load_scenario
-from hpo.storage import Retrying, StoreUnavailable, ask_lock, check_url, open_storage, optuna_url, storage_url
+from hpo.storage import Retrying, ask_lock, check_url, open_storage, optuna_url, storage_url
 
 WriteScenario = Callable[..., Path]
 

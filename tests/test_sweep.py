@@ -9,11 +9,11 @@ from typing import Callable
 import pytest
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
+from hpo.errors import StoreUnavailable
 from hpo.executor import TrialControl, TrialSpec
 from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import load_scenario
-from hpo.storage import StoreUnavailable
 
 WriteScenario = Callable[..., Path]
 

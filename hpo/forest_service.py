@@ -1,0 +1,141 @@
+"""SMAC's forest in a helper process, so that a sweep imports scikit-learn beside its own start.
+
+Importing scikit-learn takes about a second (it pulls in scipy.stats), and a model-based
+sweep cannot hide that behind a running trial the way a design hides its store work: its
+first proposal needs the forest. :func:`start` launches one helper per process, which imports
+scikit-learn at once, on another core, while the sweep opens its store; :func:`ranked` then
+sends it the work of :func:`hpo.forest.ranked` (the fitted forests stay in the helper) and
+returns the same candidates, advancing ``rng`` exactly as the work in this process would, so a
+seeded sweep proposes the same configurations either way.
+
+Without a helper (:func:`start` not called, as in-process users of the sampler do), or once
+the helper has failed, the work is done in this process. The helper runs in its own session
+(a Ctrl-C at the terminal is the sweep's to handle) and exits when its input closes: when this
+process exits, or is killed.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from typing import IO, TYPE_CHECKING, Any
+
+from hpo.history import Observations
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hpo.codec import Codec
+
+_helper: _Helper | None = None
+_lock = threading.Lock()
+
+
+class _Helper:
+    """The helper process and its two pipes; one request at a time."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "hpo.forest_service"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+
+    def call(self, request: tuple[Any, ...]) -> Any:
+        """The helper's answer to ``request``; raises OSError or EOFError if it is gone."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        pickle.dump(request, self.process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self.process.stdin.flush()
+        return pickle.load(self.process.stdout)
+
+    def close(self) -> None:
+        """Close its input, so it exits in its own time (its teardown takes a good part of a
+        second, which a sweep's exit need not wait for)."""
+        try:
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self) -> None:
+        """End it now and reap it (it failed)."""
+        self.process.kill()
+        self.process.wait()
+
+
+def start() -> None:
+    """Start this process's helper, if it has none yet."""
+    global _helper
+    with _lock:
+        if _helper is None:
+            _helper = _Helper()
+            atexit.register(stop)
+
+
+def stop() -> None:
+    """Stop this process's helper, if it has one; later work is done in this process."""
+    global _helper
+    with _lock:
+        helper, _helper = _helper, None
+    if helper is not None:
+        helper.close()
+
+
+def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Generator, **settings: int
+           ) -> np.ndarray:
+    """:func:`hpo.forest.ranked`, in the helper if this process has a working one."""
+    global _helper
+    request = (codec, _reduced(observations), key, rng, settings)
+    with _lock:
+        if _helper is not None:
+            try:
+                ok, answer = _helper.call(request)
+            except (OSError, EOFError, pickle.PickleError):
+                ok, answer = False, None
+            if ok:
+                candidates, state = answer
+                rng.bit_generator.state = state
+                return candidates
+            _helper.kill()
+            _helper = None
+    from hpo.forest import ranked as ranked_here
+
+    return ranked_here(codec, observations, key, rng, **settings)
+
+
+def _reduced(observations: Observations) -> Observations:
+    """``observations`` without what the forest does not read (the keys and values of the
+    configurations seen), which would be most of the request."""
+    return Observations(observations.x, observations.y, observations.crashed, observations.pending, frozenset(),
+                        observations.budget)
+
+
+def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
+    """Answer each request on ``requests`` with ``(True, (candidates, rng state))``, or
+    ``(False, reason)`` if the work failed, until ``requests`` ends."""
+    from hpo.forest import ranked as ranked_here
+
+    while True:
+        try:
+            codec, observations, key, rng, settings = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer: tuple[bool, Any] = (True, (ranked_here(codec, observations, key, rng, **settings),
+                                               rng.bit_generator.state))
+        except Exception as exc:  # answered, so the sweep does the work itself
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        pickle.dump(answer, answers, protocol=pickle.HIGHEST_PROTOCOL)
+        answers.flush()
+
+
+def _main() -> None:
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else writes to standard output goes to standard error
+    import sklearn.ensemble  # noqa: F401  the slow import, made before the first request
+
+    serve(sys.stdin.buffer, answers)
+
+
+if __name__ == "__main__":
+    _main()
