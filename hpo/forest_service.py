@@ -23,12 +23,11 @@ import sys
 import threading
 from typing import IO, TYPE_CHECKING, Any
 
-from hpo.history import Observations
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: starting the helper must not wait for numpy and Optuna
     import numpy as np
 
     from hpo.codec import Codec
+    from hpo.history import Observations
 
 _helper: _Helper | None = None
 _lock = threading.Lock()
@@ -106,6 +105,8 @@ def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Ge
 def _reduced(observations: Observations) -> Observations:
     """``observations`` without what the forest does not read (the keys and values of the
     configurations seen), which would be most of the request."""
+    from hpo.history import Observations
+
     return Observations(observations.x, observations.y, observations.crashed, observations.pending, frozenset(),
                         observations.budget)
 
