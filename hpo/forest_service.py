@@ -48,8 +48,7 @@ class _Helper:
         return pickle.load(self.process.stdout)
 
     def close(self) -> None:
-        """Close its input, so it exits in its own time (its teardown takes a good part of a
-        second, which a sweep's exit need not wait for)."""
+        """Close its input, so it exits (not waited for: the sweep's exit need not be delayed)."""
         try:
             if self.process.stdin is not None:
                 self.process.stdin.close()
@@ -136,6 +135,8 @@ def _main() -> None:
     import sklearn.ensemble  # noqa: F401  the slow import, made before the first request
 
     serve(sys.stdin.buffer, answers)
+    os._exit(0)  # at once: the interpreter's teardown takes a good part of a second, and until the
+    # helper is gone, whoever reads the sweep's output through a pipe (a test, `| tee`) waits for it
 
 
 if __name__ == "__main__":
