@@ -10,8 +10,8 @@ seeded sweep proposes the same configurations either way.
 
 Without a helper (:func:`start` not called, as in-process users of the sampler do), or once
 the helper has failed, the work is done in this process. The helper runs in its own session
-(a Ctrl-C at the terminal is the sweep's to handle) and exits when its input closes: when this
-process exits, or is killed.
+(a Ctrl-C at the terminal is the sweep's to handle). :func:`stop`, and this process's exit, kill
+it; if this process is killed, the helper's input closes and it exits.
 """
 from __future__ import annotations
 
@@ -47,16 +47,8 @@ class _Helper:
         self.process.stdin.flush()
         return pickle.load(self.process.stdout)
 
-    def close(self) -> None:
-        """Close its input, so it exits (not waited for: the sweep's exit need not be delayed)."""
-        try:
-            if self.process.stdin is not None:
-                self.process.stdin.close()
-        except OSError:
-            pass
-
     def kill(self) -> None:
-        """End it now and reap it (it failed)."""
+        """End it now, whatever it is doing (it holds nothing but cached forests), and reap it."""
         self.process.kill()
         self.process.wait()
 
@@ -76,7 +68,7 @@ def stop() -> None:
     with _lock:
         helper, _helper = _helper, None
     if helper is not None:
-        helper.close()
+        helper.kill()
 
 
 def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Generator, **settings: int
