@@ -59,7 +59,6 @@ def start() -> None:
     with _lock:
         if _helper is None:
             _helper = _Helper()
-            atexit.register(stop)
 
 
 def stop() -> None:
@@ -69,6 +68,9 @@ def stop() -> None:
         helper, _helper = _helper, None
     if helper is not None:
         helper.kill()
+
+
+atexit.register(stop)
 
 
 def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Generator, **settings: int
