@@ -77,14 +77,13 @@ def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Ge
            ) -> np.ndarray:
     """:func:`hpo.forest.ranked`, in the helper if this process has a working one."""
     global _helper
-    request = (codec, _reduced(observations), key, rng, settings)
     with _lock:
         if _helper is not None:
             try:
-                ok, answer = _helper.call(request)
+                answer = _helper.call((codec, _reduced(observations), key, rng, settings))
             except (OSError, EOFError, pickle.PickleError):
-                ok, answer = False, None
-            if ok:
+                answer = None
+            if answer is not None:
                 candidates, state = answer
                 rng.bit_generator.state = state
                 return candidates
@@ -105,8 +104,8 @@ def _reduced(observations: Observations) -> Observations:
 
 
 def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
-    """Answer each request on ``requests`` with ``(True, (candidates, rng state))``, or
-    ``(False, reason)`` if the work failed, until ``requests`` ends."""
+    """Answer each request on ``requests`` with ``(candidates, rng state)``, or None if the
+    work failed (the sweep then does it itself), until ``requests`` ends."""
     from hpo.forest import ranked as ranked_here
 
     while True:
@@ -115,10 +114,10 @@ def serve(requests: IO[bytes], answers: IO[bytes]) -> None:
         except EOFError:
             return
         try:
-            answer: tuple[bool, Any] = (True, (ranked_here(codec, observations, key, rng, **settings),
-                                               rng.bit_generator.state))
-        except Exception as exc:  # answered, so the sweep does the work itself
-            answer = (False, f"{type(exc).__name__}: {exc}")
+            answer: tuple[Any, Any] | None = (ranked_here(codec, observations, key, rng, **settings),
+                                              rng.bit_generator.state)
+        except Exception:  # answered, so the sweep does the work itself
+            answer = None
         pickle.dump(answer, answers, protocol=pickle.HIGHEST_PROTOCOL)
         answers.flush()
 
