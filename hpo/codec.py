@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from optuna.distributions import BaseDistribution
 
 from hpo import space
-from hpo.scenario import Param
+
+if TYPE_CHECKING:  # a codec's copy in hpo.forest_service's helper must not import pydantic or Optuna
+    from optuna.distributions import BaseDistribution
+
+    from hpo.scenario import Param
 
 INACTIVE = -1.0
 
@@ -53,6 +57,15 @@ class Codec:
         self._steps = [space.grid_steps({"p": p}).get("p") for p in self._p]
         self._conditions = [(j, self._condition_of(p)) for j, p in enumerate(self._p) if p.condition]
         self.conditional = bool(self._conditions)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A codec pickles as its parameters' fields, plain data: the process that unpickles it
+        (:mod:`hpo.forest_service`'s helper) needs neither pydantic nor :mod:`hpo.scenario`,
+        and gets each parameter as a :class:`types.SimpleNamespace` of the same fields."""
+        return {"params": {name: dict(vars(p)) for name, p in self.params.items()}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__({name: SimpleNamespace(**fields) for name, fields in state["params"].items()})
 
     def _condition_of(self, param: Param) -> list[tuple[int, list[int]]]:
         """(parent column, allowed choice indices) of each of a parameter's conditions."""

@@ -19,16 +19,16 @@ from scipy.spatial import cKDTree
 from scipy.special import ndtr
 
 from hpo.codec import Codec, impute
-from hpo.history import Observations
 
 _KEPT = 8  # fitted forests kept for reuse (one per sampler and study); the oldest go first
 _fitted: OrderedDict[str, Forest] = OrderedDict()
 _fitted_lock = threading.Lock()
 
 
-def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Generator, *, n_trees: int,
-           max_points: int, n_random: int, n_starts: int) -> np.ndarray:
-    """The candidates of :func:`search`, best first, away from the observed and pending rows.
+def ranked(codec: Codec, x: np.ndarray, y: np.ndarray, pending: np.ndarray, key: str, rng: np.random.Generator,
+           *, n_trees: int, max_points: int, n_random: int, n_starts: int) -> np.ndarray:
+    """The candidates of :func:`search`, best first, away from the observed rows ``x`` (of
+    costs ``y``) and the ``pending`` rows (as in :class:`hpo.history.Observations`).
 
     The forest is the one last fitted under ``key`` (a sampler and a study) while the history
     has grown by under 1 % since (by nothing below 100 observations), else one fitted now.
@@ -37,14 +37,14 @@ def ranked(codec: Codec, observations: Observations, key: str, rng: np.random.Ge
     seed = int(rng.integers(2**31 - 1))
     with _fitted_lock:
         forest = _fitted.get(key)
-    if forest is None or not 100 <= forest.n_observed <= len(observations.y) < forest.n_observed * 1.01:
-        forest = Forest(codec, observations, n_trees=n_trees, max_points=max_points, seed=seed)
+    if forest is None or not 100 <= forest.n_observed <= len(y) < forest.n_observed * 1.01:
+        forest = Forest(codec, x, y, pending, n_trees=n_trees, max_points=max_points, seed=seed)
     with _fitted_lock:
         _fitted[key] = forest
         _fitted.move_to_end(key)
         while len(_fitted) > _KEPT:
             _fitted.popitem(last=False)
-    near = np.vstack([observations.x, observations.pending])
+    near = np.vstack([x, pending])
     return search(codec, forest, near, rng, n_random, n_starts)
 
 
@@ -65,33 +65,35 @@ def expected_improvement(best: float, mean: np.ndarray, std: np.ndarray) -> np.n
 
 
 class Forest:
-    """SMAC's random forest fitted to observations; pending rows are fitted with the mean
+    """SMAC's random forest fitted to observed rows; pending rows are fitted with the mean
     log-scaled cost (a constant liar), so parallel workers spread out.
 
     Args:
         codec: the encoding of the search space.
-        observations: what to fit (at least one observed row).
+        x: the observed rows (at least one).
+        y: their costs.
+        pending: the rows of running trials.
         n_trees: trees in the forest.
         max_points: rows fitted at most: the better half of the observed ones, the rest at random
             (and every pending row).
         seed: seed of the bootstrap, the split points and the subsample.
     """
 
-    def __init__(self, codec: Codec, observations: Observations, *, n_trees: int, max_points: int,
-                 seed: int) -> None:
-        self.n_observed = len(observations.y)
-        y = log_costs(observations.y)
-        self.best = float(y.min())
-        self.best_rows = observations.x[np.argsort(y, kind="stable")]
-        x = np.vstack([observations.x, observations.pending])
-        targets = np.concatenate([y, np.full(len(observations.pending), y.mean())])
-        keep = _subsample(y, len(x), max_points, np.random.default_rng(seed))
+    def __init__(self, codec: Codec, x: np.ndarray, y: np.ndarray, pending: np.ndarray, *, n_trees: int,
+                 max_points: int, seed: int) -> None:
+        self.n_observed = len(y)
+        scaled = log_costs(y)
+        self.best = float(scaled.min())
+        self.best_rows = x[np.argsort(scaled, kind="stable")]
+        rows = np.vstack([x, pending])
+        targets = np.concatenate([scaled, np.full(len(pending), scaled.mean())])
+        keep = _subsample(scaled, len(rows), max_points, np.random.default_rng(seed))
         from sklearn.ensemble import ExtraTreesRegressor  # imported when first needed: it is slow to import
 
         self._codec = codec
         self._model = ExtraTreesRegressor(n_estimators=n_trees, bootstrap=True, max_features=1.0, min_samples_split=2,
                                           min_samples_leaf=1, random_state=seed, n_jobs=1)
-        self._model.fit(codec.features(x[keep]), targets[keep])
+        self._model.fit(codec.features(rows[keep]), targets[keep])
 
     def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation over the trees of each row's log-scaled cost."""

@@ -201,7 +201,8 @@ class SmacSampler(BaseSampler):
                 proposal = self._gp.propose(observations, running=True)
             return self._unseen_or_first(proposal, observations.seen, rng)
         else:
-            candidates = forest_service.ranked(self._codec, observations, f"{self._key}:{study.study_name}", rng,
+            candidates = forest_service.ranked(self._codec, observations.x, observations.y, observations.pending,
+                                               f"{self._key}:{study.study_name}", rng,
                                                n_trees=self._n_trees, max_points=self._max_points,
                                                n_random=self._n_random, n_starts=self._n_starts)
         return self._codec.decode(self._first_unseen(candidates, observations.seen, rng))

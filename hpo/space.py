@@ -11,13 +11,14 @@ and :func:`with_constants` add them to the values that templates, params.json an
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from hpo.scenario import Param
+if TYPE_CHECKING:  # the functions read a parameter's fields only: hpo.codec's helper copies carry no pydantic
+    from hpo.scenario import Param
 
-Params = Mapping[str, Param]
+Params = Mapping[str, "Param"]
 
 
 def is_active(param: Param, values: Mapping[str, Any]) -> bool:
