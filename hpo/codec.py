@@ -58,14 +58,12 @@ class Codec:
         self._conditions = [(j, self._condition_of(p)) for j, p in enumerate(self._p) if p.condition]
         self.conditional = bool(self._conditions)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """A codec pickles as its parameters' fields, plain data: the process that unpickles it
-        (:mod:`hpo.forest_service`'s helper) needs neither pydantic nor :mod:`hpo.scenario`,
-        and gets each parameter as a :class:`types.SimpleNamespace` of the same fields."""
-        return {"params": {name: dict(vars(p)) for name, p in self.params.items()}}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__({name: SimpleNamespace(**fields) for name, fields in state["params"].items()})
+    def __reduce__(self) -> tuple[type[Codec], tuple[dict[str, SimpleNamespace]]]:
+        """A codec pickles as a codec of its parameters' fields, plain data: the process that
+        unpickles it (:mod:`hpo.forest_service`'s helper) needs neither pydantic nor
+        :mod:`hpo.scenario`, and gets each parameter as a :class:`types.SimpleNamespace` of the
+        same fields."""
+        return Codec, ({name: SimpleNamespace(**vars(p)) for name, p in self.params.items()},)
 
     def _condition_of(self, param: Param) -> list[tuple[int, list[int]]]:
         """(parent column, allowed choice indices) of each of a parameter's conditions."""
