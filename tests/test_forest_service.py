@@ -86,22 +86,25 @@ def test_a_helper_that_died_leaves_the_work_to_this_process() -> None:
 def test_the_helper_unpickles_its_work_without_pydantic_or_optuna() -> None:
     """The helper imports scikit-learn and hpo.forest before its first answer, nothing slower:
     a codec pickles as plain data, so the helper's copy needs neither the scenario's pydantic
-    models nor Optuna, and it ranks what this process would."""
+    models nor Optuna, scikit-learn comes without pandas and rich, and it ranks what this
+    process would."""
     codec, seen = observations()
     request = pickle.dumps((codec, *seen))
     script = textwrap.dedent("""\
         import pickle, sys
         import numpy as np
+        from hpo import forest_service
+        forest_service._import_forests()
         from hpo import forest
         codec, x, y, pending = pickle.loads(sys.stdin.buffer.read())
         rows = forest.ranked(codec, x, y, pending, "copy", np.random.default_rng(9), n_trees=10, max_points=256,
                              n_random=200, n_starts=5)
-        print(sorted(m for m in sys.modules if m.split(".")[0] in ("pydantic", "optuna", "hpo")))
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("pydantic", "optuna", "hpo", "pandas", "rich")))
         np.save(sys.stdout.buffer, rows)
         """)
     run = subprocess.run([sys.executable, "-c", script], input=request, capture_output=True, env=cli_env(), check=True)
     modules, _, saved = run.stdout.partition(b"\n")
-    assert modules.decode() == "['hpo', 'hpo.codec', 'hpo.forest', 'hpo.space']"
+    assert modules.decode() == "['hpo', 'hpo.codec', 'hpo.forest', 'hpo.forest_service', 'hpo.space']"
     np.testing.assert_array_equal(np.load(io.BytesIO(saved)), ranked_here(codec, seen, 9)[0])
     assert codec.decode(codec.sample(1, np.random.default_rng(0))[0]) == \
         pickle.loads(pickle.dumps(codec)).decode(codec.sample(1, np.random.default_rng(0))[0])
