@@ -5,7 +5,9 @@ A small CNN learns scikit-learn's 8x8 digits (1,200 to train, 597 to validate) f
 (``--budget``, default 20 full trainings' worth); with Hyperband (Optuna's ``HyperbandPruner``,
 as ``search.pruner: hyperband`` builds it) most trials stop after a few epochs and the sweep runs
 more of them. Training is deterministic (one seed for every trial), so a configuration's learning
-curve is a function of the configuration. Prints, per method, the median over seeds of the
+curve is a function of the configuration. Hyperband puts a trial in a bracket by a checksum of the
+study's name and the trial's number, so each seed's study has one name for every method: its runs
+repeat, and the methods with Hyperband get the same brackets. Prints, per method, the median over seeds of the
 regret at equal total epochs: the best validation error of a trial that ran every epoch, minus
 the best any run found; and the number of trials run.
 
@@ -92,7 +94,8 @@ def run_one(task: tuple[str, int, int, int]) -> tuple[str, int, float, int]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     pruner = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=epochs) if "+" in method \
         else optuna.pruners.NopPruner()
-    study = optuna.create_study(sampler=build_sampler(method.split("+")[0], PARAMS, seed=seed), pruner=pruner)
+    study = optuna.create_study(study_name=f"multifidelity-{seed}", pruner=pruner,
+                                sampler=build_sampler(method.split("+")[0], PARAMS, seed=seed))
     spent = 0
     while spent < budget:
         trial = study.ask()
