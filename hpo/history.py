@@ -95,10 +95,12 @@ class History:
         """The observations of ``study`` now, leaving out trial number ``exclude``.
 
         ``proposals`` maps the numbers of this process's running trials to their proposed
-        configurations, for the parameters they have not suggested yet.
+        configurations, for the parameters they have not suggested yet. Every trial of the
+        study counts: under Optuna's HyperbandPruner a sampler is handed a view of one
+        bracket's trials, whose running trials would otherwise go unseen by another bracket.
         """
         finished = self._studies.setdefault(study.study_name, _Finished(self._codec.dim))
-        trials = study.get_trials(deepcopy=False)
+        trials = study._storage.get_all_trials(study._study_id, deepcopy=False)  # the whole study, not a view
         self._add([t for t in trials if t.state.is_finished() and t.number not in finished.numbers], finished)
         proposals = proposals or {}
         running = [p for p in ({**proposals.get(t.number, {}), **t.params} for t in trials

@@ -121,6 +121,30 @@ def test_pruned_or_running_histories_get_no_repeats(state: TrialState) -> None:
     assert len(set(_params(study))) == 12
 
 
+def test_running_trials_of_every_hyperband_bracket_are_seen() -> None:
+    """Under Optuna's HyperbandPruner a sampler is handed one bracket's trials; smac's history
+    still holds every running trial, so no bracket proposes what another one runs."""
+    params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
+    pruner = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=9)
+    sampler = SmacSampler(params, seed=0)
+    study = optuna.create_study(study_name="hyperband", sampler=sampler, pruner=pruner)
+    first = study.ask()
+    space.suggest(first, params)
+    first.report(0.5, 1)
+    first.should_prune()  # the pruner makes its brackets
+    study.tell(first, 0.5)
+    pending: list[int] = []
+    read = sampler._history.read
+    sampler._history.read = lambda *args, **kwargs: (  # type: ignore[method-assign]
+        lambda observations: pending.append(len(observations.pending)) or observations)(read(*args, **kwargs))
+    running = [study.ask() for _ in range(8)]
+    for trial in running:
+        space.suggest(trial, params)
+    assert len({pruner._get_bracket_id(study, t._cached_frozen_trial) for t in running}) > 1
+    assert pending == list(range(8))
+    assert len(set(_params(study))) == 9
+
+
 def test_enqueued_trials_cost_no_proposal() -> None:
     sampler = build_sampler("smac", KIT_PARAMS, seed=0)
     assert isinstance(sampler, SmacSampler)
