@@ -147,7 +147,7 @@ def test_failed_trials_steer_away_from_their_region() -> None:
     assert study.best_value < BRANIN_MIN + 0.1
 
 
-def test_crashes_cost_the_worst_cost_and_trials_pruned_below_the_budget_are_only_seen() -> None:
+def test_crashes_and_trials_pruned_below_the_budget_cost_the_worst_cost() -> None:
     sampler = forest(branin_space(), seed=0)
     study = optuna.create_study(sampler=sampler)
     dists = {"x1": FloatDistribution(-5.0, 10.0), "x2": FloatDistribution(0.0, 15.0)}
@@ -158,7 +158,7 @@ def test_crashes_cost_the_worst_cost_and_trials_pruned_below_the_budget_are_only
     study.add_trial(optuna.trial.create_trial(params={"x1": 3.0, "x2": 3.0}, distributions=dists,
                                               state=TrialState.FAIL))
     observations = sampler._history.read(study)
-    assert list(observations.y) == [5.0, 9.0, 7.5, 9.0] and list(observations.crashed) == [False] * 3 + [True]
+    assert list(observations.y) == [5.0, 9.0, 7.5, 9.0, 9.0] and list(observations.crashed) == [False] * 4 + [True]
     assert len(observations.seen) == 5
 
 

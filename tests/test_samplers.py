@@ -175,6 +175,8 @@ def test_lost_and_interrupted_trials_are_not_crashes_but_are_seen() -> None:
 
 
 def test_stopped_trial_counts_with_its_last_intermediate_value_and_pruned_trials_at_a_budget() -> None:
+    """Costs are taken at the highest budget two trials reached; a trial pruned below it costs
+    the worst cost there, one a user stopped below it is only seen."""
     params = {"x": Param(type="float", low=0.0, high=1.0)}
     sampler = SmacSampler(params, seed=0, n_initial=2)
     study = optuna.create_study(sampler=sampler)
@@ -189,11 +191,11 @@ def test_stopped_trial_counts_with_its_last_intermediate_value_and_pruned_trials
             params={"x": x}, distributions=distributions, state=state, intermediate_values=curve,
             value=0.3 if state == TrialState.COMPLETE else None, user_attrs={"outcome": outcome}))
     observations = sampler._history.read(study)
-    assert observations.budget == 2 and sorted(observations.y) == [0.5, 0.6]
+    assert observations.budget == 2 and sorted(observations.y) == [0.5, 0.6, 0.6]
     study.add_trial(optuna.trial.create_trial(params={"x": 0.5}, distributions=distributions, value=0.2,
                                               intermediate_values={1: 0.6, 2: 0.4, 3: 0.2}))
     observations = sampler._history.read(study)
-    assert observations.budget == math.inf and sorted(observations.y) == [0.2, 0.3]
+    assert observations.budget == math.inf and sorted(observations.y) == [0.2, 0.3, 0.3]
     assert len(observations.seen) == 5
 
 
