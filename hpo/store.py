@@ -320,15 +320,12 @@ class StudyStore:
         except KeyError:
             raise InputError(f"trial {number}: no such trial in study {self.scenario.name}") from None
 
-    def ask(self, running: set[int] | None = None) -> optuna.Trial:
+    def ask(self) -> optuna.Trial:
         """A new trial: the first WAITING one, else a proposal of the sampler (call under the lock).
 
         When an attempt's claim of a WAITING trial (or its new trial) reached the store but
-        the answer was lost in an outage, the retry takes that trial instead of another.
-        ``running``: the numbers of the RUNNING trials read under this lock, if the caller has
-        them (else they are read now)."""
-        if running is None:
-            running = self._numbers(TrialState.RUNNING)
+        the answer was lost in an outage, the retry takes that trial instead of another."""
+        running = self._numbers(TrialState.RUNNING)
 
         def landed() -> optuna.Trial | None:
             return next((optuna.trial.Trial(self.study, self._id(number))
