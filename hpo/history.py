@@ -20,9 +20,9 @@ its intermediate value there, or at the last step it reported before), with the 
 trials' final values as the top budget. A trial the pruner stopped below that budget costs
 the worst cost at it, as a crash does: the pruner judged it worse than the trials it let go on
 (TPE ranks such trials below every trial that went further). Trials a user stopped below it
-(STOPPED) are only seen. On bench/multifidelity.py (10 seeds, smac with Hyperband) learning
-nothing from trials pruned below the budget gave median regret 0.0134, costing them the worst
-cost 0.0042.
+(STOPPED) are only seen. On bench/multifidelity.py (10 seeds), smac with Hyperband reached a
+median regret of 0.0134 while such trials taught nothing and 0.0042 at the worst cost (TPE with
+Hyperband 0.0050).
 """
 from __future__ import annotations
 
