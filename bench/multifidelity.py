@@ -7,9 +7,9 @@ as ``search.pruner: hyperband`` builds it) most trials stop after a few epochs a
 more of them. Training is deterministic (one seed for every trial), so a configuration's learning
 curve is a function of the configuration. Hyperband puts a trial in a bracket by a checksum of the
 study's name and the trial's number, so each seed's study has one name for every method: its runs
-repeat, and the methods with Hyperband get the same brackets. Prints, per method, the median over seeds of the
-regret at equal total epochs: the best validation error of a trial that ran every epoch, minus
-the best any run found; and the number of trials run.
+repeat, and the methods with Hyperband get the same brackets. Prints, per method, the median over
+seeds of the regret at equal total epochs: the best validation error of a trial that ran every
+epoch, minus the best any run found; and the number of trials run.
 
     python -m bench.multifidelity [--seeds 5] [--epochs 9] [--budget 180] [--jobs 2]
 """

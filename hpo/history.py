@@ -41,6 +41,7 @@ OUTCOME_ATTR = "outcome"
 _CRASH_OUTCOMES = ("FAIL", "TIMEOUT")
 _PARTIAL_OUTCOMES = ("STOPPED",)
 _COMPLETE, _PARTIAL, _CRASH, _PRUNED = 0, 1, 2, 3
+_STOPPED_EARLY = (_PARTIAL, _PRUNED)  # kinds whose costs depend on the budget
 _TOP = math.inf
 
 
@@ -160,15 +161,14 @@ class History:
         """Which rows have a cost, their costs, crash flags and the budget of the costs (see
         the module docstring)."""
         crash = finished.kind == _CRASH
-        if np.isin(finished.kind, (_PARTIAL, _PRUNED)).any():
+        if np.isin(finished.kind, _STOPPED_EARLY).any():
             budget, cost = self._at_budget(finished)
         else:
             budget, cost = _TOP, finished.cost.copy()
-        below = (finished.kind == _PRUNED) & ~np.isfinite(cost)
-        use = np.isfinite(cost) | crash | below
-        cost, crash, below = cost[use], crash[use], below[use]
-        finite = ~(crash | below)
-        cost[crash | below] = cost[finite].max() if finite.any() else 0.0
+        worst = crash | ((finished.kind == _PRUNED) & ~np.isfinite(cost))  # crashed, or pruned below the budget
+        use = np.isfinite(cost) | worst
+        cost, crash, worst = cost[use], crash[use], worst[use]
+        cost[worst] = cost[~worst].max() if (~worst).any() else 0.0
         return use, cost, crash, budget
 
     def _at_budget(self, finished: _Finished) -> tuple[float, np.ndarray]:
@@ -176,8 +176,8 @@ class History:
         complete = finished.kind == _COMPLETE
         if complete.sum() >= self._min_points:
             return _TOP, np.where(complete, finished.cost, np.nan)
-        partial = np.isin(finished.kind, (_PARTIAL, _PRUNED))
-        tops = {float(c[0][-1]) for c, stopped in zip(finished.curves, partial) if stopped and c}
+        early = np.isin(finished.kind, _STOPPED_EARLY)
+        tops = {float(c[0][-1]) for c, stopped in zip(finished.curves, early) if stopped and c}
         best_budget, best_cost = _TOP, np.where(complete, finished.cost, np.nan)
         for budget in sorted(tops, reverse=True):
             cost = np.array([_value_at(c, budget) if kind != _CRASH else math.nan

@@ -135,8 +135,13 @@ def test_running_trials_of_every_hyperband_bracket_are_seen() -> None:
     study.tell(first, 0.5)
     pending: list[int] = []
     read = sampler._history.read
-    sampler._history.read = lambda *args, **kwargs: (  # type: ignore[method-assign]
-        lambda observations: pending.append(len(observations.pending)) or observations)(read(*args, **kwargs))
+
+    def counting_read(*args: Any, **kwargs: Any) -> Any:
+        observations = read(*args, **kwargs)
+        pending.append(len(observations.pending))
+        return observations
+
+    sampler._history.read = counting_read  # type: ignore[method-assign]
     running = [study.ask() for _ in range(8)]
     for trial in running:
         space.suggest(trial, params)
