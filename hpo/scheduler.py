@@ -111,7 +111,7 @@ class Scheduler:
                     return WAIT if others else None
                 point = self._design[index]
                 store.enqueue(space.searched(store.scenario.parameters, point), {ATTR_DESIGN_INDEX: index})
-        return self._claimed(store.ask(), None)
+        return self._claimed(store.ask(queued_only=self._design is not None), None)
 
     def _claimed(self, trial: optuna.Trial, seed: int | None) -> Claim:
         store = self.store

@@ -141,6 +141,7 @@ class StudyStore:
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
         self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock)
         self._holder: tuple[int, Callable[[], bool]] | None = None
+        self._made: list[int] = []  # trials claimed under the lock by the section running now
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
@@ -186,12 +187,17 @@ class StudyStore:
         process may have held it since), ``section()`` runs again from the start under the
         lock taken anew, so it must read what it decides on inside and be safe to redo."""
         while True:
+            self._made = []
             try:
                 with self.lock():
                     return section()
             except LockLost:
                 self._on_outage("the store lost this worker's ask lock in the outage: taking it again "
                                 "and doing over what it was held for")
+                for number in self._made:  # claimed, never started: back in the queue for whoever is next
+                    self.back_to_waiting(number)
+            finally:
+                self._made = []
 
     def _check_lock(self) -> None:
         """Raise :class:`LockLost` in the thread that holds the ask lock if it is lost."""
@@ -320,24 +326,57 @@ class StudyStore:
         except KeyError:
             raise InputError(f"trial {number}: no such trial in study {self.scenario.name}") from None
 
-    def ask(self) -> optuna.Trial:
+    def ask(self, queued_only: bool = False) -> optuna.Trial:
         """A new trial: the first WAITING one, else a proposal of the sampler (call under the lock).
 
         When an attempt's claim of a WAITING trial (or its new trial) reached the store but
-        the answer was lost in an outage, the retry takes that trial instead of another."""
+        the answer was lost in an outage, the retry takes that trial instead of another.
+        With ``queued_only`` (design methods, whose every trial is a queued point) no trial
+        is made: an empty queue means another worker took what this one queued, which only
+        a lost lock allows, so :class:`LockLost` is raised."""
+        if queued_only:
+            waiting = sorted(self._numbers(TrialState.WAITING))
+            if not waiting:
+                raise LockLost("the queue is empty under the ask lock: another worker took the queued trial")
+            return self.claim_waiting(waiting[0], lost=LockLost)
         running = self._numbers(TrialState.RUNNING)
 
         def landed() -> optuna.Trial | None:
             return next((optuna.trial.Trial(self.study, self._id(number))
                          for number in sorted(self._numbers(TrialState.RUNNING, retried=False) - running)), None)
 
-        return self._once(self.study.ask, landed)
+        trial = self._once(self.study.ask, landed)
+        self._claimed_under_lock(trial.number)
+        return trial
 
-    def claim_waiting(self, number: int) -> optuna.Trial:
-        """Claim the WAITING trial ``number`` itself (not the first in the queue)."""
-        if not self._set_state(number, TrialState.RUNNING):
-            raise InputError(f"trial {number}: someone else claimed it first")
-        return optuna.trial.Trial(self.study, self._id(number))
+    def claim_waiting(self, number: int, lost: Callable[[str], Exception] = InputError) -> optuna.Trial:
+        """Claim the WAITING trial ``number`` itself (not the first in the queue); ``lost(message)``
+        is raised when another worker claimed it first. Under the lock, a retry through an
+        outage finds the trial RUNNING only if an earlier attempt claimed it."""
+        trial_id = self._id(number)
+
+        def landed() -> bool | None:
+            return True if self._holds_lock() and self.trial(number).state == TrialState.RUNNING else None
+
+        try:
+            claimed = self._once(lambda: self._storage.set_trial_state_values(trial_id, TrialState.RUNNING), landed)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            claimed = False
+        if not claimed:
+            raise lost(f"trial {number}: someone else claimed it first")
+        self._claimed_under_lock(number)
+        return optuna.trial.Trial(self.study, trial_id)
+
+    def _claimed_under_lock(self, number: int) -> None:
+        """Note a trial claimed by the thread that holds the lock: :meth:`locked` puts it back
+        in the queue if the lock turns out lost before the section ends."""
+        if self._holds_lock():
+            self._made.append(number)
+
+    def _holds_lock(self) -> bool:
+        """Whether this thread holds the ask lock (as far as it knows: see :meth:`_check_lock`)."""
+        holder = self._holder
+        return holder is not None and holder[0] == threading.get_ident()
 
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
         """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),

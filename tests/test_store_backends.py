@@ -12,6 +12,7 @@ import textwrap
 import uuid
 import zlib
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -110,6 +111,15 @@ def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method
                                  backend[len("journal:"):]))).best_value == min(r.value for r in rows)
 
 
+def end_lock_session(admin: Any) -> None:
+    """End the server session that holds the ask lock, as a server restart does."""
+    import sqlalchemy
+
+    with admin.connect() as conn:
+        conn.execute(sqlalchemy.text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                                     "AND objid = :key AND granted"), {"key": zlib.crc32(POSTGRES.encode()) & 0x7FFFFFFF})
+
+
 @pytest.mark.parametrize("a_notices", [True, False], ids=["a-call-fails", "a-reconnects-unaware"])
 def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  a_notices: bool) -> None:
@@ -142,9 +152,7 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
         monkeypatch.setattr(storage, "get_all_trials", real_read)
         if claimed_by_b:  # a retry of the call that met the outage
             return real_read(*args, **kwargs)
-        with admin.connect() as conn:  # the server ends A's lock session, as a restart does
-            conn.execute(sqlalchemy.text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                                         "AND objid = :key AND granted"), {"key": zlib.crc32(POSTGRES.encode()) & 0x7FFFFFFF})
+        end_lock_session(admin)
         claimed_by_b.append(b.store.locked(lambda: b.claim(set())))  # B gets the lock A lost
         if not a_notices:
             return real_read(*args, **kwargs)
@@ -157,3 +165,66 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
     assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
     rows = a.store.rows()
     assert sorted((r.design_index, r.params["x"]) for r in rows) == [(0, 0.1), (1, 0.2)]
+
+
+def test_a_design_claim_never_makes_a_trial_when_its_queued_point_is_taken(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock is lost while worker A takes the design point it queued, and worker B takes
+    that point first (A's pool reconnects unseen). A makes no trial of its own, which would
+    run a random point in place of the design's: its claim starts again and takes point 1."""
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    import sqlalchemy
+
+    scenario = make_scenario(tmp_path)
+    design = [{"x": 0.1}, {"x": 0.2}, {"x": 0.3}, {"x": 0.4}]
+    a = Scheduler(StudyStore(scenario, POSTGRES), design, 4, tmp_path / "a", 1)
+    b = Scheduler(StudyStore(scenario, POSTGRES, create=False), design, 4, tmp_path / "b", 2)
+    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    storage = a.store.optuna_storage
+    real_set_state = storage.set_trial_state_values
+    claimed_by_b: list[Claim] = []
+
+    def set_state(trial_id: int, state: TrialState, values: object = None) -> bool:
+        if state == TrialState.RUNNING and not claimed_by_b:
+            end_lock_session(admin)
+            claimed_by_b.append(b.store.locked(lambda: b.claim(set())))
+        return real_set_state(trial_id, state, values)
+
+    monkeypatch.setattr(storage, "set_trial_state_values", set_state)
+    claimed_by_a = a.store.locked(lambda: a.claim(set()))
+    admin.dispose()
+    assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
+    trials = a.store.trials()
+    assert [(t.params.get("x"), t.state) for t in trials] == [(0.1, TrialState.RUNNING), (0.2, TrialState.RUNNING)]
+
+
+def test_a_trial_made_before_the_lock_is_found_lost_goes_back_to_the_queue(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock is lost after a model-based claim made its trial but before the proposal: the
+    claim starts again and takes that very trial from the queue, so no trial is left running
+    without a worker (until recovery, three heartbeats later, would put it back)."""
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    import sqlalchemy
+
+    scenario = make_scenario(tmp_path, method="tpe")
+    a = Scheduler(StudyStore(scenario, POSTGRES), None, 4, tmp_path / "a", 1)
+    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    storage = a.store.optuna_storage
+    real_create = storage._create_new_trial
+    made: list[int] = []
+
+    def create(*args: object, **kwargs: object) -> object:
+        created = real_create(*args, **kwargs)
+        if not made:
+            made.append(created.number)
+            end_lock_session(admin)
+        return created
+
+    monkeypatch.setattr(storage, "_create_new_trial", create)
+    claimed = a.store.locked(lambda: a.claim(set()))
+    admin.dispose()
+    assert isinstance(claimed, Claim) and claimed.number == made[0]
+    assert [(t.number, t.state) for t in a.store.trials()] == [(made[0], TrialState.RUNNING)]
+    assert 0 <= claimed.params["x"] <= 1
