@@ -25,7 +25,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -51,6 +51,15 @@ _LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_
 _STATE_OUTCOMES = {TrialState.COMPLETE: {Outcome.COMPLETE}, TrialState.PRUNED: {Outcome.PRUNED, Outcome.STOPPED},
                    TrialState.FAIL: {Outcome.FAIL, Outcome.STOPPED, Outcome.TIMEOUT, Outcome.LOST,
                                      Outcome.INTERRUPTED}}
+
+
+class _Holder(NamedTuple):
+    """Who holds a store's ask lock: the thread, whether the lock is still its
+    (:func:`hpo.storage.ask_lock`), and the trials claimed under it."""
+
+    thread: int
+    held: Callable[[], bool]
+    claimed: list[int]
 
 
 def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
@@ -140,8 +149,7 @@ class StudyStore:
         self.url = url
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
         self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock)
-        self._holder: tuple[int, Callable[[], bool]] | None = None
-        self._made: list[int] = []  # trials claimed under the lock by the section running now
+        self._holder: _Holder | None = None
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
@@ -166,16 +174,17 @@ class StudyStore:
         self._study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
 
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
+    def lock(self, claimed: list[int] | None = None) -> Iterator[None]:
         """The study-wide ask lock (see :func:`hpo.storage.ask_lock`), taken through an outage.
         A store call under it raises :class:`LockLost` instead of running when the lock was
-        lost meanwhile; :meth:`locked` runs a section again then."""
+        lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
+        claimed under it are appended to ``claimed``."""
         def enter() -> Any:
             context = ask_lock(self.url)
             return context, context.__enter__()
 
         context, held = self.call(enter)
-        outer, self._holder = self._holder, (threading.get_ident(), held)
+        outer, self._holder = self._holder, _Holder(threading.get_ident(), held, [] if claimed is None else claimed)
         try:
             yield
         finally:
@@ -187,22 +196,20 @@ class StudyStore:
         process may have held it since), ``section()`` runs again from the start under the
         lock taken anew, so it must read what it decides on inside and be safe to redo."""
         while True:
-            self._made = []
+            claimed: list[int] = []
             try:
-                with self.lock():
+                with self.lock(claimed):
                     return section()
             except LockLost:
                 self._on_outage("the store lost this worker's ask lock in the outage: taking it again "
                                 "and doing over what it was held for")
-                for number in self._made:  # claimed, never started: back in the queue for whoever is next
+                for number in claimed:  # never started: back in the queue for whoever is next
                     self.back_to_waiting(number)
-            finally:
-                self._made = []
 
     def _check_lock(self) -> None:
         """Raise :class:`LockLost` in the thread that holds the ask lock if it is lost."""
         holder = self._holder
-        if holder is not None and holder[0] == threading.get_ident() and not holder[1]():
+        if holder is not None and holder.thread == threading.get_ident() and not holder.held():
             raise LockLost("the ask lock was lost in an outage")
 
     @property
@@ -370,13 +377,14 @@ class StudyStore:
     def _claimed_under_lock(self, number: int) -> None:
         """Note a trial claimed by the thread that holds the lock: :meth:`locked` puts it back
         in the queue if the lock turns out lost before the section ends."""
-        if self._holds_lock():
-            self._made.append(number)
+        holder = self._holder
+        if holder is not None and holder.thread == threading.get_ident():
+            holder.claimed.append(number)
 
     def _holds_lock(self) -> bool:
         """Whether this thread holds the ask lock (as far as it knows: see :meth:`_check_lock`)."""
         holder = self._holder
-        return holder is not None and holder[0] == threading.get_ident()
+        return holder is not None and holder.thread == threading.get_ident()
 
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
         """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),
