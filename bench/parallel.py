@@ -9,13 +9,21 @@ above 0.1: Hartmann-6's best local minimum is 0.12 above its global one), duplic
 0.001 and the others at 0.1 or more, so with few seeds the median can fall between the two
 groups; the count of trapped runs says which.
 
+With ``--in-process`` the same comparison runs without processes or timing: one sampler in an
+in-memory study, each proposal made while exactly K-1 trials run (K workers whose trials all
+take as long). It runs a seed in about 5 s, so rules for running trials can be compared on 100
+seeds; it also prints how often 10 seeds drawn from those give a ratio within 1.2x, which says how
+much one 10-seed run of the real bench can tell.
+
     python -m bench.parallel [--workers 4] [--trials 50] [--seeds 10] [--sleep 0.3] [--method smac]
     python -m bench.parallel --seeds 11:21    # seeds 11 to 20, to add to an earlier run's
+    python -m bench.parallel --in-process --seeds 100
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import statistics
 import subprocess
@@ -24,8 +32,14 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import optuna
+
+from bench.functions import FUNCTIONS
 from bench.optimizers import seed_range
+from hpo.samplers import build_sampler
 from hpo.scenario import load_scenario
 from hpo.storage import storage_url
 from hpo.store import StudyStore
@@ -68,6 +82,45 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
 
 
+def run_in_process(workers: int, trials: int, seed: int, method: str) -> tuple[float, int]:
+    """Run one study in memory, each proposal made while ``workers - 1`` trials run; return
+    (regret, duplicate configurations)."""
+    function = FUNCTIONS["hartmann6"]
+    study = optuna.create_study(sampler=build_sampler(method, function.params, seed=seed),
+                                study_name=f"h6-{workers}-{seed}")
+    running: list[tuple[optuna.Trial, dict[str, Any]]] = []
+    for _ in range(trials):
+        trial = study.ask()
+        running.append((trial, function.suggest(trial)))
+        if len(running) == workers:  # the oldest trial ends: a slot is free for the next proposal
+            oldest, values = running.pop(0)
+            study.tell(oldest, function.objective(values))
+    for trial, values in running:
+        study.tell(trial, function.objective(values))
+    configs = [tuple(t.params.values()) for t in study.trials]
+    return study.best_value - HARTMANN6_MIN, len(configs) - len(set(configs))
+
+
+def in_process(workers: int, trials: int, seeds: range, method: str) -> None:
+    """Print the in-process comparison (see the module docstring)."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    results = {count: [run_in_process(count, trials, seed, method) for seed in seeds] for count in (1, workers)}
+    print(f"Hartmann-6 in process, method {method}, {trials} trials, seeds {seeds.start}-{seeds.stop - 1}, "
+          f"each proposal made while workers - 1 trials run")
+    print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'median untrapped':>17} {'duplicates':>11}")
+    for count, runs in results.items():
+        regrets = [r[0] for r in runs]
+        untrapped = [r for r in regrets if r <= TRAPPED]
+        print(f"{count:>8} {statistics.median(regrets):>14.4f} {len(regrets) - len(untrapped):>8} "
+              f"{statistics.median(untrapped) if untrapped else math.nan:>17.4f} {sum(r[1] for r in runs):>11}")
+    one, many = ([r[0] for r in results[count]] for count in results)
+    draws = np.random.default_rng(0).choice(len(one), size=(2000, min(10, len(one))))
+    ratios = np.median(np.asarray(many)[draws], axis=1) / np.median(np.asarray(one)[draws], axis=1)
+    print(f"regret ratio {workers} workers / 1 worker: {statistics.median(many) / statistics.median(one):.2f} "
+          f"(goal <= 1.2); over 2000 draws of 10 of these seeds, the ratio is within 1.2 in "
+          f"{np.mean(ratios <= 1.2):.0%} (median ratio {np.median(ratios):.2f})")
+
+
 def main() -> None:
     """Run the benchmark and print its figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +130,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=from_one, default=from_one("10"), help="N (seeds 1 to N) or A:B")
     parser.add_argument("--sleep", type=float, default=0.3)
     parser.add_argument("--method", default="smac")
+    parser.add_argument("--in-process", action="store_true", help="emulate the workers in one process (no timing)")
     args = parser.parse_args()
+    if args.in_process:
+        in_process(args.workers, args.trials, args.seeds, args.method)
+        return
     results: dict[int, list[tuple[float, int, float]]] = {1: [], args.workers: []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
