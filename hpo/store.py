@@ -339,13 +339,15 @@ class StudyStore:
         When an attempt's claim of a WAITING trial (or its new trial) reached the store but
         the answer was lost in an outage, the retry takes that trial instead of another.
         With ``queued_only`` (design methods, whose every trial is a queued point) no trial
-        is made: an empty queue means another worker took what this one queued, which only
-        a lost lock allows, so :class:`LockLost` is raised."""
+        is made: the first queued trial is claimed, and if another worker took it, which only
+        a lost lock allows, :class:`LockLost` is raised."""
         if queued_only:
             waiting = sorted(self._numbers(TrialState.WAITING))
-            if not waiting:
-                raise LockLost("the queue is empty under the ask lock: another worker took the queued trial")
-            return self.claim_waiting(waiting[0], lost=LockLost)
+            if waiting:
+                with contextlib.suppress(InputError):
+                    return self.claim_waiting(waiting[0])
+            self._check_lock()
+            raise RuntimeError("the queued trial was taken while this worker held the ask lock")
         running = self._numbers(TrialState.RUNNING)
 
         def landed() -> optuna.Trial | None:
@@ -356,21 +358,22 @@ class StudyStore:
         self._claimed_under_lock(trial.number)
         return trial
 
-    def claim_waiting(self, number: int, lost: Callable[[str], Exception] = InputError) -> optuna.Trial:
-        """Claim the WAITING trial ``number`` itself (not the first in the queue); ``lost(message)``
-        is raised when another worker claimed it first. Under the lock, a retry through an
-        outage finds the trial RUNNING only if an earlier attempt claimed it."""
+    def claim_waiting(self, number: int) -> optuna.Trial:
+        """Claim the WAITING trial ``number`` itself (not the first in the queue); InputError
+        when another worker claimed it first. Under the lock, a retry through an outage finds
+        the trial RUNNING only if an earlier attempt claimed it."""
         trial_id = self._id(number)
 
         def landed() -> bool | None:
-            return True if self._holds_lock() and self.trial(number).state == TrialState.RUNNING else None
+            state = self._storage.get_trial(trial_id).state  # read once: this runs inside a retried call
+            return True if self._holds_lock() and state == TrialState.RUNNING else None
 
         try:
             claimed = self._once(lambda: self._storage.set_trial_state_values(trial_id, TrialState.RUNNING), landed)
         except optuna.exceptions.UpdateFinishedTrialError:
             claimed = False
         if not claimed:
-            raise lost(f"trial {number}: someone else claimed it first")
+            raise InputError(f"trial {number}: someone else claimed it first")
         self._claimed_under_lock(number)
         return optuna.trial.Trial(self.study, trial_id)
 

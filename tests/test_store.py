@@ -271,6 +271,17 @@ def test_a_claim_whose_answer_is_lost_takes_the_queued_trial_not_a_new_one(
     assert [t.number for t in store.trials()] == [0]
 
 
+def test_a_design_claim_whose_answer_is_lost_takes_its_queued_trial(
+        scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the lock, a retried claim that finds its trial RUNNING knows that it claimed it."""
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    store.enqueue({"lr": 0.01}, {"design_index": 0})
+    _answer_lost_once(monkeypatch, store, "set_trial_state_values")
+    trial = store.locked(lambda: store.ask(queued_only=True))
+    assert trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
+    assert [(t.number, t.state) for t in store.trials()] == [(0, TrialState.RUNNING)]
+
+
 def test_a_queued_trial_whose_answer_is_lost_is_queued_once(
         scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
