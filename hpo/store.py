@@ -208,8 +208,8 @@ class StudyStore:
 
     def _check_lock(self) -> None:
         """Raise :class:`LockLost` in the thread that holds the ask lock if it is lost."""
-        holder = self._holder
-        if holder is not None and holder.thread == threading.get_ident() and not holder.held():
+        holder = self._my_holder()
+        if holder is not None and not holder.held():
             raise LockLost("the ask lock was lost in an outage")
 
     @property
@@ -365,8 +365,10 @@ class StudyStore:
         trial_id = self._id(number)
 
         def landed() -> bool | None:
+            if self._my_holder() is None:
+                return None
             state = self._storage.get_trial(trial_id).state  # read once: this runs inside a retried call
-            return True if self._holds_lock() and state == TrialState.RUNNING else None
+            return True if state == TrialState.RUNNING else None
 
         try:
             claimed = self._once(lambda: self._storage.set_trial_state_values(trial_id, TrialState.RUNNING), landed)
@@ -380,14 +382,15 @@ class StudyStore:
     def _claimed_under_lock(self, number: int) -> None:
         """Note a trial claimed by the thread that holds the lock: :meth:`locked` puts it back
         in the queue if the lock turns out lost before the section ends."""
-        holder = self._holder
-        if holder is not None and holder.thread == threading.get_ident():
+        holder = self._my_holder()
+        if holder is not None:
             holder.claimed.append(number)
 
-    def _holds_lock(self) -> bool:
-        """Whether this thread holds the ask lock (as far as it knows: see :meth:`_check_lock`)."""
+    def _my_holder(self) -> _Holder | None:
+        """The ask lock's holder if it is this thread (as far as it knows: see
+        :meth:`_check_lock`), else None."""
         holder = self._holder
-        return holder is not None and holder.thread == threading.get_ident()
+        return holder if holder is not None and holder.thread == threading.get_ident() else None
 
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
         """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,27 @@ def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method
                                  backend[len("journal:"):]))).best_value == min(r.value for r in rows)
 
 
+@pytest.fixture
+def admin() -> Iterator[Any]:
+    """An engine on the PostgreSQL server outside every worker (skips without a server)."""
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    yield engine
+    engine.dispose()
+
+
+def design_workers(tmp_path: Path) -> tuple[Scheduler, Scheduler]:
+    """Workers A and B of one study of a 4-point design on the PostgreSQL server."""
+    scenario = make_scenario(tmp_path)
+    design = [{"x": 0.1}, {"x": 0.2}, {"x": 0.3}, {"x": 0.4}]
+    a = Scheduler(StudyStore(scenario, POSTGRES), design, 4, tmp_path / "a", 1)
+    b = Scheduler(StudyStore(scenario, POSTGRES, create=False), design, 4, tmp_path / "b", 2)
+    return a, b
+
+
 def end_lock_session(admin: Any) -> None:
     """End the server session that holds the ask lock, as a server restart does."""
     import sqlalchemy
@@ -122,22 +144,16 @@ def end_lock_session(admin: Any) -> None:
 
 @pytest.mark.parametrize("a_notices", [True, False], ids=["a-call-fails", "a-reconnects-unaware"])
 def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 a_notices: bool) -> None:
+                                                                 admin: Any, a_notices: bool) -> None:
     """A server restart ends the session that holds the ask lock while worker A is in the
     middle of a claim: A has queued design point 0, and before A takes it, worker B takes the
     lock and the queued point. A's claim starts again and takes point 1; no trial runs a
     random point in place of the design's, and none runs twice. A's own call meets the
     outage, or does not (its pool reconnects unseen): either way A learns before its next
     store call that the lock is gone."""
-    if not POSTGRES:
-        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
     import sqlalchemy
 
-    scenario = make_scenario(tmp_path)
-    design = [{"x": 0.1}, {"x": 0.2}, {"x": 0.3}, {"x": 0.4}]
-    a = Scheduler(StudyStore(scenario, POSTGRES), design, 4, tmp_path / "a", 1)
-    b = Scheduler(StudyStore(scenario, POSTGRES, create=False), design, 4, tmp_path / "b", 2)
-    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    a, b = design_workers(tmp_path)
     storage = a.store.optuna_storage
     real_create, real_read = storage._create_new_trial, storage.get_all_trials
     claimed_by_b: list[Claim] = []
@@ -160,7 +176,6 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
 
     monkeypatch.setattr(storage, "_create_new_trial", create)
     claimed_by_a = a.store.locked(lambda: a.claim(set()))
-    admin.dispose()
     assert isinstance(claimed_by_a, Claim) and isinstance(claimed_by_b[0], Claim)
     assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
     rows = a.store.rows()
@@ -168,19 +183,12 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
 
 
 def test_a_design_claim_never_makes_a_trial_when_its_queued_point_is_taken(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        admin: Any) -> None:
     """The lock is lost while worker A takes the design point it queued, and worker B takes
     that point first (A's pool reconnects unseen). A makes no trial of its own, which would
     run a random point in place of the design's: its claim starts again and takes point 1."""
-    if not POSTGRES:
-        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
-    import sqlalchemy
-
-    scenario = make_scenario(tmp_path)
-    design = [{"x": 0.1}, {"x": 0.2}, {"x": 0.3}, {"x": 0.4}]
-    a = Scheduler(StudyStore(scenario, POSTGRES), design, 4, tmp_path / "a", 1)
-    b = Scheduler(StudyStore(scenario, POSTGRES, create=False), design, 4, tmp_path / "b", 2)
-    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
+    a, b = design_workers(tmp_path)
     storage = a.store.optuna_storage
     real_set_state = storage.set_trial_state_values
     claimed_by_b: list[Claim] = []
@@ -193,24 +201,19 @@ def test_a_design_claim_never_makes_a_trial_when_its_queued_point_is_taken(tmp_p
 
     monkeypatch.setattr(storage, "set_trial_state_values", set_state)
     claimed_by_a = a.store.locked(lambda: a.claim(set()))
-    admin.dispose()
     assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
     trials = a.store.trials()
     assert [(t.params.get("x"), t.state) for t in trials] == [(0.1, TrialState.RUNNING), (0.2, TrialState.RUNNING)]
 
 
 def test_a_trial_made_before_the_lock_is_found_lost_goes_back_to_the_queue(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            admin: Any) -> None:
     """The lock is lost after a model-based claim made its trial but before the proposal: the
     claim starts again and takes that very trial from the queue, so no trial is left running
     without a worker (until recovery, three heartbeats later, would put it back)."""
-    if not POSTGRES:
-        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
-    import sqlalchemy
-
     scenario = make_scenario(tmp_path, method="tpe")
     a = Scheduler(StudyStore(scenario, POSTGRES), None, 4, tmp_path / "a", 1)
-    admin = sqlalchemy.create_engine(POSTGRES, poolclass=sqlalchemy.pool.NullPool)
     storage = a.store.optuna_storage
     real_create = storage._create_new_trial
     made: list[int] = []
@@ -224,7 +227,6 @@ def test_a_trial_made_before_the_lock_is_found_lost_goes_back_to_the_queue(tmp_p
 
     monkeypatch.setattr(storage, "_create_new_trial", create)
     claimed = a.store.locked(lambda: a.claim(set()))
-    admin.dispose()
     assert isinstance(claimed, Claim) and claimed.number == made[0]
     assert [(t.number, t.state) for t in a.store.trials()] == [(made[0], TrialState.RUNNING)]
     assert 0 <= claimed.params["x"] <= 1
