@@ -277,6 +277,31 @@ def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: p
     assert len(set(_params(study))) == dims + 4
 
 
+@pytest.mark.parametrize(("cost", "models"), [
+    (lambda v: round(v["x0"] + v["x1"], 1), {"forest"}),  # a validation error: steps of 0.1
+    (lambda v: v["x0"] + v["x1"], {"gp"}),
+    (lambda v: v["x0"] + v["x1"] if v["x0"] < 0.5 else math.inf, {"gp"}),  # crashes tie at the worst cost
+])
+def test_step_valued_costs_turn_the_gps_space_to_the_forest(monkeypatch: pytest.MonkeyPatch,
+                                                            cost: Callable[[dict[str, Any]], float],
+                                                            models: set[str]) -> None:
+    """Once two costs (the worst aside) tie exactly, as errors over a finite validation set
+    do, the forest proposes on a space the GP would serve; ties of crashes do not count."""
+    from hpo import forest_service
+    from hpo.gp import GPProposer
+
+    used = []
+    gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
+    monkeypatch.setattr(GPProposer, "propose", lambda self, obs, running=False: used.append("gp")
+                        or gp_propose(self, obs, running))
+    monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
+    params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(2)}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    study.optimize(lambda trial: cost(_suggest(params)(trial)), n_trials=16)
+    assert set(used[-3:]) == models
+    assert len(set(_params(study))) == 16
+
+
 def test_the_gp_proposes_from_finished_trials_alone() -> None:
     """Other workers' running trials do not move the GP's proposal (see hpo.gp); they only
     count as seen, so the proposal is never one of them."""
