@@ -57,6 +57,8 @@ class Observations:
         seen: keys (:func:`hpo.codec.keys`) of every configuration in the history and pending.
         budget: the step the costs were taken at; ``inf`` for final values.
         params: the parameter values of each row of ``x`` exactly as the trial has them.
+        stopped_early: whether any finished trial was pruned or cut short (a multi-fidelity
+            history).
     """
 
     x: np.ndarray
@@ -66,6 +68,7 @@ class Observations:
     seen: frozenset[bytes]
     budget: float = _TOP
     params: tuple[Mapping[str, Any], ...] = ()
+    stopped_early: bool = False
 
 
 class _Finished:
@@ -115,7 +118,8 @@ class History:
         seen = frozenset(finished.seen.union(keys(pending)))
         use, y, crashed, budget = self._costs(finished)
         return Observations(finished.x[use], y, crashed, pending, seen, budget,
-                            tuple(p for p, used in zip(finished.params, use) if used))
+                            tuple(p for p, used in zip(finished.params, use) if used),
+                            bool(np.isin(finished.kind, _STOPPED_EARLY).any()))
 
     def finished(self, study_name: str) -> frozenset[int]:
         """Numbers of the trials of ``study_name`` that were finished when it was last read."""

@@ -258,18 +258,26 @@ def test_running_start_draws_count_toward_the_gps_random_start(monkeypatch: pyte
     assert len(set(_params(study))) == 13
 
 
-@pytest.mark.parametrize(("dims", "model"), [(10, "gp"), (11, "forest")])
-def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: pytest.MonkeyPatch, dims: int,
-                                                                  model: str) -> None:
-    """After its start design, smac proposes with Optuna's GP on an unconditional space of up
-    to 10 searched parameters and with the random forest on a larger one."""
+@pytest.fixture
+def models_used(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The model behind each of smac's model-based proposals from here on: gp or forest."""
     from hpo import forest_service
     from hpo.gp import GPProposer
 
-    used = []
+    used: list[str] = []
     gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
-    monkeypatch.setattr(GPProposer, "propose", lambda self, obs: used.append("gp") or gp_propose(self, obs))
+    monkeypatch.setattr(GPProposer, "propose", lambda self, obs, running=False: used.append("gp")
+                        or gp_propose(self, obs, running))
     monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
+    return used
+
+
+@pytest.mark.parametrize(("dims", "model"), [(10, "gp"), (11, "forest")])
+def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(models_used: list[str], dims: int,
+                                                                  model: str) -> None:
+    """After its start design, smac proposes with Optuna's GP on an unconditional space of up
+    to 10 searched parameters and with the random forest on a larger one."""
+    used = models_used
     params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(dims)}
     study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
     study.optimize(lambda trial: sum(_suggest(params)(trial).values()), n_trials=dims + 4)
@@ -282,24 +290,34 @@ def test_the_gp_serves_up_to_ten_parameters_and_the_forest_beyond(monkeypatch: p
     (lambda v: v["x0"] + v["x1"], {"gp"}),
     (lambda v: v["x0"] + v["x1"] if v["x0"] < 0.5 else math.inf, {"gp"}),  # crashes tie at the worst cost
 ])
-def test_step_valued_costs_turn_the_gps_space_to_the_forest(monkeypatch: pytest.MonkeyPatch,
+def test_step_valued_costs_turn_the_gps_space_to_the_forest(models_used: list[str],
                                                             cost: Callable[[dict[str, Any]], float],
                                                             models: set[str]) -> None:
     """Once two costs (the worst aside) tie exactly, as errors over a finite validation set
     do, the forest proposes on a space the GP would serve; ties of crashes do not count."""
-    from hpo import forest_service
-    from hpo.gp import GPProposer
-
-    used = []
-    gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
-    monkeypatch.setattr(GPProposer, "propose", lambda self, obs, running=False: used.append("gp")
-                        or gp_propose(self, obs, running))
-    monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
     params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(2)}
     study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
     study.optimize(lambda trial: cost(_suggest(params)(trial)), n_trials=16)
-    assert set(used[-3:]) == models
+    assert set(models_used[-3:]) == models
     assert len(set(_params(study))) == 16
+
+
+def test_a_history_with_pruned_trials_keeps_the_gp_whatever_ties(models_used: list[str]) -> None:
+    """Under a pruner the GP keeps its space even when costs tie (bench/multifidelity: the
+    forest did worse there)."""
+    params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(2)}
+
+    def objective(trial: optuna.Trial) -> float:
+        values = _suggest(params)(trial)
+        error = round(values["x0"] + values["x1"], 1)
+        trial.report(error, 1)
+        if trial.number % 2:
+            raise optuna.TrialPruned()
+        return error
+
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    study.optimize(objective, n_trials=16)
+    assert models_used and set(models_used) == {"gp"}
 
 
 def test_the_gp_proposes_from_finished_trials_alone() -> None:
