@@ -11,14 +11,14 @@ processes can share one storage.
 Like SMAC3's facades it is a portfolio. While the space is unconditional with at most 10
 searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`) through
 and through: the same random start (the same draws for the same seed) and the same proposals
-from the same history, so on such a problem ``smac`` and ``gp`` find the same configurations,
-except that ``smac`` learns from crashes, never repeats a configuration and turns to the
-forest once costs tie (below). For conditional
-or larger spaces and long histories it is a scrambled Sobol design, then SMAC's random forest
-(:mod:`hpo.forest`), whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far
-ahead of the forest on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D
-Branin (median regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100); the
-suite has nothing in between, so the line at 10 is a choice within that gap.
+from the same history, so on such a problem ``smac`` and ``gp`` find the same
+configurations, except that ``smac`` learns from crashes, never repeats a configuration and
+turns to the forest once costs tie (below). For conditional or larger spaces and long
+histories it is a scrambled Sobol design, then SMAC's random forest (:mod:`hpo.forest`),
+whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far ahead of the forest
+on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D Branin (median
+regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100); the suite has nothing
+in between, so the line at 10 is a choice within that gap.
 
 A GP assumes a smooth cost. An error counted over a few hundred validation examples is a
 step function instead: configurations tie exactly, and the forest, whose trees are step
@@ -52,7 +52,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import forest_service
 from hpo.codec import Codec, keys
 from hpo.gp import GPProposer
-from hpo.history import History
+from hpo.history import History, Observations
 from hpo.scenario import Param
 
 if TYPE_CHECKING:
@@ -214,8 +214,7 @@ class SmacSampler(BaseSampler):
             candidates = np.vstack([design[len(observations.seen):], design])
         elif self._random_every > 0 and trial.number % self._random_every == self._random_every - 1:
             candidates = self._codec.sample(self._n_random, rng)
-        elif self._gp_allowed and len(observations.y) <= self._gp_max_points and \
-                (self._model == "gp" or observations.stopped_early or not _step_valued(observations.y)):
+        elif self._gp_serves(observations):
             self._gp = self._gp or GPProposer(self._codec, self._seed)
             proposal = self._gp.propose(observations)
             if self._near_pending(proposal, observations.pending):
@@ -227,6 +226,13 @@ class SmacSampler(BaseSampler):
                                                n_trees=self._n_trees, max_points=self._max_points,
                                                n_random=self._n_random, n_starts=self._n_starts)
         return self._codec.decode(self._first_unseen(candidates, observations.seen, rng))
+
+    def _gp_serves(self, observations: Observations) -> bool:
+        """Whether the GP makes this proposal: on its spaces, while the history is short and,
+        unless ``model='gp'`` or a trial was stopped early, no two costs tie."""
+        if not self._gp_allowed or len(observations.y) > self._gp_max_points:
+            return False
+        return self._model == "gp" or observations.stopped_early or not _step_valued(observations.y)
 
     def _unseen_or_first(self, params: dict[str, Any], seen: frozenset[bytes], rng: np.random.Generator
                          ) -> dict[str, Any]:
