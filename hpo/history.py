@@ -116,10 +116,10 @@ class History:
                                if t.state == TrialState.RUNNING and t.number != exclude) if p]
         pending = self._codec.encode(running)
         seen = frozenset(finished.seen.union(keys(pending)))
-        use, y, crashed, budget = self._costs(finished)
+        stopped_early = bool(np.isin(finished.kind, _STOPPED_EARLY).any())
+        use, y, crashed, budget = self._costs(finished, stopped_early)
         return Observations(finished.x[use], y, crashed, pending, seen, budget,
-                            tuple(p for p, used in zip(finished.params, use) if used),
-                            bool(np.isin(finished.kind, _STOPPED_EARLY).any()))
+                            tuple(p for p, used in zip(finished.params, use) if used), stopped_early)
 
     def finished(self, study_name: str) -> frozenset[int]:
         """Numbers of the trials of ``study_name`` that were finished when it was last read."""
@@ -161,11 +161,11 @@ class History:
             return _CRASH, math.nan, None
         return None
 
-    def _costs(self, finished: _Finished) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    def _costs(self, finished: _Finished, stopped_early: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """Which rows have a cost, their costs, crash flags and the budget of the costs (see
-        the module docstring)."""
+        the module docstring); ``stopped_early``: whether any trial was pruned or cut short."""
         crash = finished.kind == _CRASH
-        if np.isin(finished.kind, _STOPPED_EARLY).any():
+        if stopped_early:
             budget, cost = self._at_budget(finished)
         else:
             budget, cost = _TOP, finished.cost.copy()
