@@ -1,11 +1,13 @@
-"""Readers and writers for the standard MNIST and CIFAR-10 files, numpy only.
+"""Readers and writers for the standard MNIST and CIFAR-10 files, numpy only; the digits' splits.
 
 Trial scripts call :func:`load_mnist` and :func:`load_cifar10` on the scenario's
-``data_dir`` (nothing is ever downloaded) and :func:`hold_out` for a validation split. Both return Keras-style
-``(train_images, train_labels), (test_images, test_labels)`` with uint8 images
-(MNIST ``N x 28 x 28``, CIFAR-10 ``N x 3 x 32 x 32``) and int64 labels. Missing or
-malformed files raise :class:`~hpo.errors.InputError` with a one-line message that names
-the files expected and where to put them.
+``data_dir`` (nothing is ever downloaded) and :func:`train_val_test` (:func:`hold_out`) for a
+validation split. Both loaders return Keras-style ``(train_images, train_labels),
+(test_images, test_labels)`` with uint8 images (MNIST ``N x 28 x 28``, CIFAR-10
+``N x 3 x 32 x 32``) and int64 labels. Missing or malformed files raise
+:class:`~hpo.errors.InputError` with a one-line message that names the files expected and
+where to put them. :func:`load_digits_splits` gives scikit-learn's 8x8 digits, which ship
+with it, already split.
 
 The writers produce the very same formats, so tests can build small synthetic data sets.
 This module must stay cheap to import: trial scripts import it.
@@ -59,6 +61,31 @@ def hold_out(split: Split, fraction: float, seed: int, limit: int | None = None)
     if limit:
         rest = rest[:limit]
     return (images[rest], labels[rest]), (images[val], labels[val])
+
+
+def train_val_test(data: tuple[Split, Split], fraction: float, seed: int, limit: int | None = None
+                   ) -> dict[str, Split]:
+    """Keras-style ``(training, test)`` data as ``train``, ``val`` and ``test`` splits, the
+    validation split held out of the training data by :func:`hold_out`."""
+    training, test = data
+    train, val = hold_out(training, fraction, seed, limit)
+    return {"train": train, "val": val, "test": test}
+
+
+def load_digits_splits(seed: int = 0) -> dict[str, Split]:
+    """scikit-learn's 8x8 digits (``N x 64`` pixels in 0..16, int64 labels) as stratified
+    ``train``, ``val`` and ``test`` splits: 20 % test, held out, and 20 % of the rest for
+    validation, fixed by ``seed`` (the split's own seed, whatever the hyper-parameters)."""
+    from sklearn.datasets import load_digits  # imported when first needed: scikit-learn is slow to import
+    from sklearn.model_selection import train_test_split
+
+    pixels, labels = load_digits(return_X_y=True)
+    rest_x, test_x, rest_y, test_y = train_test_split(pixels, labels, test_size=0.2, stratify=labels,
+                                                      random_state=seed)
+    train_x, val_x, train_y, val_y = train_test_split(rest_x, rest_y, test_size=0.2, stratify=rest_y,
+                                                      random_state=seed)
+    return {"train": (train_x, train_y.astype(np.int64)), "val": (val_x, val_y.astype(np.int64)),
+            "test": (test_x, test_y.astype(np.int64))}
 
 
 def _open(path: Path) -> IO[bytes]:

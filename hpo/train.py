@@ -21,6 +21,10 @@ in all of them::
     if __name__ == "__main__":
         train.run(main, seed=SEED)
 
+:func:`fit` is that loop as one call, with the final validation and test errors reported
+and the weights saved; the templates use it, with :func:`datasets` for numpy splits and
+:func:`choose` for a hyper-parameter that names one of several options.
+
 **Processes.** A script runs as one process (``python script.py``) or as one process per GPU
 (or CPU slot) under ``torchrun --nproc-per-node N``; :func:`setup` joins torchrun's process
 group (NCCL on GPUs, gloo on CPUs) and says where this process runs (:class:`Runtime`).
@@ -52,11 +56,12 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import NoReturn, Protocol
+from typing import NoReturn, Protocol, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -64,11 +69,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from hpo.results import report
+
 EVAL_BATCH_SIZE = 1024
 RESIDENT_SHARE = 0.5
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+ScheduleFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
+T = TypeVar("T")
 
 
 class Transform(Protocol):
@@ -470,3 +480,60 @@ def error_rate(net: nn.Module, split: TensorDataset, runtime: Runtime,
             predicted = net(runtime.to_device(batch)).argmax(dim=1)
         wrong += (predicted != labels[start:start + batch_size].to(runtime.device)).sum()
     return int(wrong) / len(labels)
+
+
+def datasets(splits: Mapping[str, tuple[np.ndarray, np.ndarray]],
+             inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, TensorDataset]:
+    """Each ``(inputs, labels)`` pair of numpy arrays as a ``TensorDataset`` sharing their memory,
+    its inputs passed through ``inputs`` (e.g. a reshape or a scaling) when given."""
+    mapped = {name: (torch.from_numpy(x), torch.from_numpy(y)) for name, (x, y) in splits.items()}
+    return {name: TensorDataset(x if inputs is None else inputs(x), y) for name, (x, y) in mapped.items()}
+
+
+def choose(options: Mapping[str, T], name: str, what: str) -> T:
+    """``options[name]``; a name outside ``options`` raises ValueError naming ``what`` and the choices."""
+    if name not in options:
+        raise ValueError(f"{what} {name!r} is not one of {sorted(options)}")
+    return options[name]
+
+
+def fit(runtime: Runtime, net: nn.Module, splits: Mapping[str, TensorDataset], make_optimizer: OptimizerFactory,
+        *, batch_size: int, epochs: int, seed: int, transform: Transform | None = None,
+        make_schedule: ScheduleFactory | None = None, weights: str | os.PathLike[str] = "model.pt") -> float | None:
+    """Train ``net`` on ``splits["train"]`` for ``epochs`` epochs and report what hpo reads.
+
+    The main process reports the validation error (``splits["val"]``) after every epoch as
+    that step's, then the final validation and test (``splits["test"]``) errors, and saves
+    ``net``'s weights to ``weights``; the other ranks only train.
+
+    Args:
+        runtime: this process's runtime.
+        net: the bare model, on the CPU; :meth:`Runtime.distribute` places it.
+        splits: ``train``, ``val`` and ``test`` datasets of inputs and labels.
+        make_optimizer: the optimizer of the distributed model's parameters.
+        batch_size: the global batch (see :func:`batches`).
+        epochs: passes over the training split, at least 1.
+        seed: seeds the batches' order and augmentation.
+        transform: applied to every batch on the device; it augments training batches only.
+        make_schedule: ``make_schedule(optimizer, total_steps)``, a schedule stepped per batch.
+        weights: where the main process saves ``net.state_dict()``.
+
+    Returns:
+        The final validation error on the main process, None on the others.
+    """
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    model = runtime.distribute(net)
+    optimizer = make_optimizer(model.parameters())
+    data = batches(splits["train"], runtime, batch_size, seed=seed, transform=transform)
+    schedule = None if make_schedule is None else make_schedule(optimizer, epochs * len(data))
+    val_error = None
+    for epoch in range(1, epochs + 1):
+        train_epoch(model, data.epoch(epoch), optimizer, runtime, schedule)
+        if runtime.is_main:
+            val_error = error_rate(net, splits["val"], runtime, transform)
+            report(step=epoch, val_error=val_error)
+    if runtime.is_main:
+        report(val_error=val_error, test_error=error_rate(net, splits["test"], runtime, transform))
+        torch.save(net.state_dict(), weights)
+    return val_error

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Iterable
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from hpo import train
-from hpo.results import report
+from hpo.data import load_digits_splits
 
 SPLIT_SEED = 0
 OPTIMIZERS = {
@@ -53,43 +48,11 @@ def make_model(args: argparse.Namespace) -> nn.Module:
                          nn.Linear(args.hidden, 10))
 
 
-def make_optimizer(parameters: Iterable[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
-    """The optimizer the flags ask for."""
-    return OPTIMIZERS[args.optimizer](parameters, args.lr)
-
-
-def to_dataset(pixels: np.ndarray, labels: np.ndarray) -> TensorDataset:
-    """Digits rows (64 pixels in 0..16) scaled to [0, 1], with int64 labels."""
-    return TensorDataset(torch.tensor(pixels, dtype=torch.float32) / 16,
-                         torch.tensor(labels, dtype=torch.int64))
-
-
-def load_splits() -> dict[str, TensorDataset]:
-    """The train, val and test splits, stratified, with a seed no hyper-parameter moves."""
-    pixels, labels = load_digits(return_X_y=True)
-    rest_x, test_x, rest_y, test_y = train_test_split(
-        pixels, labels, test_size=0.2, stratify=labels, random_state=SPLIT_SEED)
-    train_x, val_x, train_y, val_y = train_test_split(
-        rest_x, rest_y, test_size=0.2, stratify=rest_y, random_state=SPLIT_SEED)
-    return {"train": to_dataset(train_x, train_y), "val": to_dataset(val_x, val_y),
-            "test": to_dataset(test_x, test_y)}
-
-
 def fit(args: argparse.Namespace, runtime: train.Runtime) -> None:
     """Train, report the validation error per epoch, then the final errors; save the weights."""
-    splits = load_splits()
-    net = make_model(args)
-    model = runtime.distribute(net)
-    optimizer = make_optimizer(model.parameters(), args)
-    data = train.batches(splits["train"], runtime, args.batch_size, seed=args.seed)
-    for epoch in range(1, args.epochs + 1):
-        train.train_epoch(model, data.epoch(epoch), optimizer, runtime)
-        if runtime.is_main:
-            val_error = train.error_rate(net, splits["val"], runtime)
-            report(step=epoch, val_error=val_error)
-    if runtime.is_main:
-        report(val_error=val_error, test_error=train.error_rate(net, splits["test"], runtime))
-        torch.save(net.state_dict(), "model.pt")
+    splits = train.datasets(load_digits_splits(SPLIT_SEED), inputs=lambda pixels: pixels.float() / 16)
+    train.fit(runtime, make_model(args), splits, functools.partial(OPTIMIZERS[args.optimizer], lr=args.lr),
+              batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> None:

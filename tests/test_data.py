@@ -13,8 +13,10 @@ from hpo.data import (
     MNIST_FILES,
     hold_out,
     load_cifar10,
+    load_digits_splits,
     load_mnist,
     read_idx,
+    train_val_test,
     write_cifar10_batches,
     write_mnist_idx,
 )
@@ -178,3 +180,27 @@ def test_hold_out_is_fixed_by_its_seed_disjoint_and_limited() -> None:
     assert (again_val == val_y).all()
     (_, limited_y), (_, same_val) = hold_out((images, labels), 0.2, seed=3, limit=10)
     assert len(limited_y) == 10 and set(limited_y) <= set(train_y) and (same_val == val_y).all()
+
+
+def test_train_val_test_holds_val_out_of_training_and_keeps_the_test_split() -> None:
+    images, labels = np.arange(100).reshape(100, 1), np.arange(100)
+    test = (np.zeros((7, 1)), np.zeros(7, dtype=np.int64))
+
+    splits = train_val_test(((images, labels), test), 0.2, seed=3, limit=50)
+
+    assert list(splits) == ["train", "val", "test"]
+    (_, train_y), (_, val_y) = hold_out((images, labels), 0.2, seed=3, limit=50)
+    assert (splits["train"][1] == train_y).all() and (splits["val"][1] == val_y).all()
+    assert splits["test"] is test
+
+
+def test_digits_splits_are_stratified_fixed_by_their_seed_and_int64() -> None:
+    splits = load_digits_splits()
+
+    assert {name: len(y) for name, (_, y) in splits.items()} == {"train": 1149, "val": 288, "test": 360}
+    for x, y in splits.values():
+        assert x.shape == (len(y), 64) and y.dtype == np.int64
+        assert np.bincount(y, minlength=10).min() >= 0.09 * len(y)
+    again = load_digits_splits()
+    assert all((again[name][0] == x).all() for name, (x, _) in splits.items())
+    assert not (load_digits_splits(seed=1)["test"][0] == splits["test"][0]).all()

@@ -7,11 +7,13 @@ them a two-process gloo job under torchrun.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -169,6 +171,70 @@ def test_error_rate_counts_wrong_argmaxes_over_every_chunk() -> None:
 
     assert train.error_rate(net, split, runtime(), batch_size=2) == pytest.approx(2 / 5)
     assert not net.training
+
+
+def tiny_splits() -> dict[str, TensorDataset]:
+    """Separable 2-D points: the class is the sign of the first coordinate."""
+    generator = torch.Generator().manual_seed(0)
+    splits = {}
+    for name, count in (("train", 64), ("val", 32), ("test", 16)):
+        x = torch.randn(count, 2, generator=generator)
+        splits[name] = TensorDataset(x, (x[:, 0] > 0).long())
+    return splits
+
+
+def test_fit_reports_every_epoch_then_the_final_errors_and_saves_the_weights(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2)
+    steps: list[int] = []
+
+    def schedule(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+        steps.append(total)
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=1.0)
+
+    val_error = train.fit(runtime(), net, tiny_splits(), lambda p: torch.optim.SGD(p, lr=0.5), batch_size=16,
+                          epochs=3, seed=SEED, make_schedule=schedule, weights=tmp_path / "w.pt")
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line.get("step") for line in lines] == [1, 2, 3, None]
+    assert lines[-1] == {"val_error": val_error, "test_error": train.error_rate(net, tiny_splits()["test"], runtime())}
+    assert val_error == lines[-2]["val_error"] and val_error < 0.2
+    assert steps == [3 * 4]
+    saved = torch.load(tmp_path / "w.pt")
+    assert all(torch.equal(saved[name], value) for name, value in net.state_dict().items())
+
+
+def test_fit_on_another_rank_trains_without_reporting_or_saving(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train.Runtime, "distribute", lambda self, net: net)  # no process group in-process
+    result = train.fit(runtime(1, 2), nn.Linear(2, 2), tiny_splits(), lambda p: torch.optim.SGD(p, lr=0.1),
+                       batch_size=16, epochs=1, seed=SEED, weights=tmp_path / "w.pt")
+
+    assert result is None and capsys.readouterr().out == "" and not (tmp_path / "w.pt").exists()
+
+
+def test_fit_rejects_fewer_than_one_epoch() -> None:
+    with pytest.raises(ValueError, match="epochs must be at least 1, got 0"):
+        train.fit(runtime(), nn.Linear(2, 2), tiny_splits(), lambda p: torch.optim.SGD(p, lr=0.1),
+                  batch_size=16, epochs=0, seed=SEED)
+
+
+def test_choose_names_what_and_the_choices_of_a_bad_name() -> None:
+    assert train.choose({"sgd": 1, "adam": 2}, "adam", "optimizer") == 2
+    with pytest.raises(ValueError, match=r"optimizer 'lbfgs' is not one of \['adam', 'sgd'\]"):
+        train.choose({"sgd": 1, "adam": 2}, "lbfgs", "optimizer")
+
+
+def test_datasets_share_the_arrays_and_map_only_the_inputs() -> None:
+    pixels, labels = np.arange(12, dtype=np.float64).reshape(3, 4), np.array([0, 1, 2])
+
+    plain = train.datasets({"train": (pixels, labels)})["train"]
+    mapped = train.datasets({"val": (pixels, labels)}, inputs=lambda x: x.float().view(-1, 1, 2, 2))["val"]
+
+    assert plain.tensors[0].data_ptr() == torch.from_numpy(pixels).data_ptr()
+    assert mapped.tensors[0].shape == (3, 1, 2, 2) and mapped.tensors[0].dtype == torch.float32
+    assert torch.equal(mapped.tensors[1], torch.tensor([0, 1, 2]))
 
 
 def test_setup_alone_is_rank_0_of_1_and_seeds_torch(monkeypatch: pytest.MonkeyPatch) -> None:
