@@ -100,14 +100,10 @@ def workloads(gpu: bool) -> list[Workload]:
 def sizes(work: Workload, gpu: bool) -> tuple[int, int, tuple[int, ...]]:
     """Training and validation samples of the workload, and the shape of one input."""
     if work.data == "digits":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        from hpo.data import load_digits_splits
 
-        _, labels = load_digits(return_X_y=True)
-        rest, _ = train_test_split(labels, test_size=0.2, stratify=labels, random_state=0)
-        train, val = train_test_split(rest, test_size=0.2, stratify=rest, random_state=0)
-        shape = (64,) if work.flags else (1, 8, 8)
-        return len(train), len(val), shape
+        splits = load_digits_splits()
+        return len(splits["train"][1]), len(splits["val"][1]), (64,) if work.flags else (1, 8, 8)
     total = data_count(work.data, gpu)
     val = round(VAL_FRACTION * total)
     train = total - val if not work.max_train_samples else min(total - val, work.max_train_samples)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -48,10 +49,15 @@ def make_model(args: argparse.Namespace) -> nn.Module:
                          nn.Linear(args.hidden, 10))
 
 
+def make_optimizer(parameters: Iterable[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The optimizer the flags ask for."""
+    return OPTIMIZERS[args.optimizer](parameters, args.lr)
+
+
 def fit(args: argparse.Namespace, runtime: train.Runtime) -> None:
     """Train, report the validation error per epoch, then the final errors; save the weights."""
     splits = train.datasets(load_digits_splits(SPLIT_SEED), inputs=lambda pixels: pixels.float() / 16)
-    train.fit(runtime, make_model(args), splits, functools.partial(OPTIMIZERS[args.optimizer], lr=args.lr),
+    train.fit(runtime, make_model(args), splits, functools.partial(make_optimizer, args=args),
               batch_size=args.batch_size, epochs=args.epochs, seed=args.seed)
 
 

@@ -80,7 +80,7 @@ def test_two_processes_learn_the_same_weights_as_one(tmp_path: Path, single: Tra
 def test_the_weights_compared_are_trained_ones(single: Trained) -> None:
     script = runpy.run_path(str(single.folder / "digits_cnn.py"), run_name="digits_cnn")
     torch.manual_seed(SEED)
-    initial = script["make_model"]().state_dict()
+    initial = script["DigitsCNN"](PARAMS["nb_filters"], PARAMS["conv_size"], PARAMS["dropout"]).state_dict()
 
     moved = max((single.weights[name] - initial[name]).abs().max().item() for name in initial)
 
