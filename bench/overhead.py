@@ -16,7 +16,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.launch import plan_slots
@@ -51,8 +51,8 @@ def sleepy_scenario(folder: Path, name: str, trials: int, sleep: float, resource
 class TimedSweep(Sweep):
     """A Sweep that times its ask (claim) and tell (finish) steps."""
 
-    asks: list[float] = []
-    tells: list[float] = []
+    asks: ClassVar[list[float]] = []
+    tells: ClassVar[list[float]] = []
     collector: Collector
 
     def _execute(self, slot: Any, claim: Any) -> Any:

@@ -48,7 +48,7 @@ def main() -> None:
         if args.storage:
             argv += ["--storage", args.storage]
         began = time.monotonic()
-        run = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, HPO_GPUS=""))
+        run = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, HPO_GPUS=""), check=False)
         wall = time.monotonic() - began
         scenario = load_scenario(folder / "stress.yaml")
         url = storage_url(scenario, args.storage)

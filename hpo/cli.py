@@ -20,9 +20,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from hpo import __version__
 from hpo.errors import InputError
@@ -96,7 +97,7 @@ class _Signals:
             print("hpo: already stopping; running trials are being ended and recorded", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["_Signals"]:
+    def installed(self) -> Iterator[_Signals]:
         """Handle the signals inside the block; the previous handlers come back after it."""
         previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -179,9 +180,8 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
             forest_service.stop()
         sweep.prepare()
         signals = _Signals(lambda signum: sweep.stop())
-        with signals.installed():
-            with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
-                sweep.run(view)
+        with signals.installed(), ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
+            sweep.run(view)
     finally:
         if executor:
             executor.close()
@@ -228,7 +228,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
         log.write(f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: {describe_plan(share)}\n")
         log.flush()
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=die_with_parent))
+                                      start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
     print(f"started {workers} workers on {ctx.storage} (logs: {ctx.workdir}/worker-*.log)", flush=True)
 
     def forward(signum: int) -> None:

@@ -19,10 +19,11 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable

@@ -19,9 +19,10 @@ import json
 import math
 import re
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from hpo.launch import Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult

@@ -19,9 +19,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import psutil
 
@@ -297,7 +298,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         try:
             proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 (prctl only)
         except OSError as exc:
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)

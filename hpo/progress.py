@@ -10,9 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -123,7 +124,7 @@ class ProgressView:
             with self._lock:
                 self._tally = fresh
 
-    def __enter__(self) -> "ProgressView":
+    def __enter__(self) -> ProgressView:
         self._poller.start()
         if self._console.is_terminal:
             self._live = Live(self._render(), console=self._console, refresh_per_second=2,

@@ -14,8 +14,8 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from pathlib import Path
-from typing import Container
 
 import psutil
 from optuna.trial import FrozenTrial, TrialState

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from hpo.errors import InputError
 from hpo.scenario import Scenario

@@ -10,7 +10,7 @@ import difflib
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,7 +21,7 @@ from hpo.results import RESERVED_ATTRS, STEP_KEY
 DESIGN_METHODS = ("monte_carlo", "csv", "grid", "sobol", "lhs")
 MODEL_METHODS = ("tpe", "gp", "smac")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
-Scalar = Union[bool, int, float, str]
+Scalar = bool | int | float | str
 
 
 class _Frozen(BaseModel):
@@ -41,7 +41,7 @@ class Param(_Frozen):
     distribution: Literal["uniform", "normal"] = "uniform"
     mean: float | None = None
     std: float | None = None
-    condition: dict[str, Union[Scalar, list[Scalar]]] | None = None
+    condition: dict[str, Scalar | list[Scalar]] | None = None
     flag: str | None = Field(default=None, pattern=r"^-{1,2}[A-Za-z0-9][\w.\-]*$")
 
     @model_validator(mode="before")
@@ -55,7 +55,7 @@ class Param(_Frozen):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "Param":
+    def _check(self) -> Param:
         numeric = self.type in ("int", "float")
         _only(self, "low/high/log/step/distribution", numeric,
               ("low", "high", "step", "mean", "std"), ("log", "distribution"))
@@ -144,7 +144,7 @@ class Search(_Frozen):
     pruner: Literal["none", "median", "successive_halving", "hyperband"] = "none"
 
     @model_validator(mode="after")
-    def _check(self) -> "Search":
+    def _check(self) -> Search:
         if self.method == "csv" and self.csv is None:
             raise ValueError("csv: method csv needs the path of the design CSV")
         if self.method != "csv" and self.csv is not None:
@@ -257,7 +257,7 @@ def _shell_split(value: Any) -> Any:
     return value
 
 
-GpuCount = Union[int, float, Literal["auto"]]
+GpuCount = int | float | Literal["auto"]
 MAX_SHARE = 16
 
 
@@ -326,7 +326,7 @@ class Cluster(_Frozen):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "Cluster":
+    def _check(self) -> Cluster:
         if (self.address is None) == (self.kind is None):
             raise ValueError("expected a Dask scheduler address (tcp://host:8786) or a mapping with kind: "
                              "slurm, pbs, sge, lsf or htcondor")
@@ -357,11 +357,11 @@ class Resources(_Frozen):
     or ``auto``: as many as its workers take).
     """
 
-    parallel: Union[int, Literal["auto"]] = 1
+    parallel: int | Literal["auto"] = 1
     gpus_per_trial: GpuCount = "auto"
     processes_per_trial: int | None = Field(default=None, ge=1)
     gpus: tuple[int, ...] | None = None
-    torchrun: Union[bool, Literal["auto"]] = "auto"
+    torchrun: bool | Literal["auto"] = "auto"
     timeout: float | None = Field(default=None, gt=0)
     heartbeat: float = Field(default=10.0, gt=0)
     store_retry: float = Field(default=300.0, ge=0)
@@ -395,8 +395,8 @@ class Resources(_Frozen):
     def _gpus_per_trial(cls, value: Any) -> Any:
         if value == "auto":
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number of GPUs, a fraction 1/k or auto, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # a ValueError, which pydantic reports
+            raise ValueError(f"expected a number of GPUs, a fraction 1/k or auto, got {value!r}")  # noqa: TRY004
         if float(value).is_integer() and value >= 1:
             return int(value)
         if gpu_share(float(value)) is None:
@@ -405,7 +405,7 @@ class Resources(_Frozen):
         return float(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "Resources":
+    def _check(self) -> Resources:
         share = self.share
         if share > 1 and self.torchrun is True:
             raise ValueError(f"gpus_per_trial: {self.gpus_per_trial:g} shares a GPU between trials, one process "
@@ -467,13 +467,13 @@ class Scenario(_Frozen):
         return _shell_split(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "Scenario":
+    def _check(self) -> Scenario:
         if not self.parameters:
             raise ValueError("parameters: the scenario defines no parameter")
         names = list(self.parameters)
         reserved = {"trial_number", "trial_dir", "data_dir", "seed", "trial_seed"} & set(names)
         if reserved:
-            raise ValueError(f"parameters.{sorted(reserved)[0]}: the name is reserved for the template context")
+            raise ValueError(f"parameters.{min(reserved)}: the name is reserved for the template context")
         for index, (name, param) in enumerate(self.parameters.items()):
             _check_condition(name, param, names[:index], self.parameters)
             if param.is_normal and self.search.method not in ("monte_carlo", "sobol", "lhs"):

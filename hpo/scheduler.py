@@ -17,9 +17,10 @@ import dataclasses
 import os
 import socket
 import uuid
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Container
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -29,8 +30,16 @@ from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
 from hpo.rows import TrialRow, budget_used
-from hpo.store import (ATTR_DESIGN_INDEX, ATTR_LOST_COUNT, ATTR_REQUEUE_OF, ATTR_RERUN_OF, ATTR_RETRIES,
-                       ATTR_RETRY_OF, SYS_RUN, StudyStore)
+from hpo.store import (
+    ATTR_DESIGN_INDEX,
+    ATTR_LOST_COUNT,
+    ATTR_REQUEUE_OF,
+    ATTR_RERUN_OF,
+    ATTR_RETRIES,
+    ATTR_RETRY_OF,
+    SYS_RUN,
+    StudyStore,
+)
 
 HOST = socket.gethostname()
 WAIT = "wait"

@@ -11,7 +11,8 @@ and :func:`with_constants` add them to the values that templates, params.json an
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def _steps(p: Param) -> tuple[float, int] | None:
         step = p.step
     else:
         return None
-    return step, int(math.floor((p.high - p.low) / step + 1e-9)) + 1
+    return step, math.floor((p.high - p.low) / step + 1e-9) + 1
 
 
 def grid_steps(params: Params) -> dict[str, float]:
@@ -141,9 +142,16 @@ def config_space(params: Params, seed: int | None = None) -> Any:
     ``low == high`` is a constant (ConfigSpace has no empty ranges).
     """
     from ConfigSpace import (
-        CategoricalHyperparameter, ConfigurationSpace, Constant, EqualsCondition, InCondition,
-        NormalFloatHyperparameter, NormalIntegerHyperparameter,
-        UniformFloatHyperparameter, UniformIntegerHyperparameter)
+        CategoricalHyperparameter,
+        ConfigurationSpace,
+        Constant,
+        EqualsCondition,
+        InCondition,
+        NormalFloatHyperparameter,
+        NormalIntegerHyperparameter,
+        UniformFloatHyperparameter,
+        UniformIntegerHyperparameter,
+    )
 
     space = ConfigurationSpace(seed=seed)
     hps: dict[str, Any] = {}
@@ -203,7 +211,7 @@ def _from_unit_one(p: Param, u: float) -> Any:
     else:
         x = p.low + u * (p.high - p.low)
     x = min(max(x, p.low), p.high)
-    return int(round(x)) if p.type == "int" else x
+    return int(round(x)) if p.type == "int" else x  # noqa: RUF046 (x may be a numpy float: numpy 1 rounds to a float)
 
 
 def from_unit(params: Params, point: np.ndarray) -> dict[str, Any]:

@@ -9,7 +9,8 @@ space and keeps its meaning: widening a numeric range, and adding a categorical 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 Described = Mapping[str, Mapping[str, Any]]
 _FIXED_KEYS = ("type", "log", "step", "condition", "value", "distribution", "mean", "std")

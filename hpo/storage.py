@@ -23,8 +23,9 @@ import sqlite3
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hpo.errors import InputError, StoreUnavailable
 

@@ -24,8 +24,9 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -458,10 +459,10 @@ class StudyStore:
                 self.call(self.study.tell, number, state=TrialState.PRUNED)
             else:
                 self.call(self.study.tell, number, state=TrialState.FAIL)
-        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError) as exc:
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
             if self.trial(number).state.is_finished():
                 return False
-            raise exc
+            raise
         return True
 
     def end_other(self, number: int, result: TrialResult, folder: Path | str) -> bool:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hpo.errors import StoreUnavailable
 from hpo.recovery import STALE_AFTER_BEATS, recover_stale

@@ -8,10 +8,11 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -64,8 +65,9 @@ CASES = {
     "step-wider-than-range": Case(("parameters.x.step", "0.5 is wider than the range [0, 0.3]"),
                                   {"parameters": {"x": {"high": 0.3, "step": 0.5}}}),
     "parallel-zero": Case(("resources.parallel", "must be at least 1 or auto, got 0"), {"resources": {"parallel": 0}}),
-    "gpu-fraction-not-1-over-k": Case(("resources.gpus_per_trial", "0.3 is neither a whole number of GPUs nor a "
-                                       "fraction 1/k"), {"resources": {"gpus_per_trial": 0.3}}),
+    "gpu-fraction-not-1-over-k": Case(("resources.gpus_per_trial",
+                                       "0.3 is neither a whole number of GPUs nor a fraction 1/k"),
+                                      {"resources": {"gpus_per_trial": 0.3}}),
     "gpu-fraction-under-torchrun": Case(("resources.gpus_per_trial", "torchrun: true would put several NCCL ranks"),
                                         {"resources": {"gpus_per_trial": 0.25, "torchrun": True}}),
     "misspelt-script": Case(("command", "trian.py is neither a file of the trial folder", "did you mean train.py"),

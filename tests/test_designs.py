@@ -1,8 +1,9 @@
 """Designs of experiments: Monte Carlo, Sobol, LHS, grid and CSV points."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -21,7 +21,6 @@ from conftest import cli_env, run_hpo
 
 from hpo.launch import TOKEN_ENV
 
-
 SLEEPY = textwrap.dedent("""\
     import sys, time
     from hpo.results import report

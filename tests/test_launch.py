@@ -13,8 +13,19 @@ import psutil
 import pytest
 
 from hpo.errors import InputError
-from hpo.launch import (GPU_ENV, TOKEN_ENV, Slot, build_argv, check_command, detect_gpus, flag_args, kill_by_token,
-                        plan_slots, run_process, trial_env)
+from hpo.launch import (
+    GPU_ENV,
+    TOKEN_ENV,
+    Slot,
+    build_argv,
+    check_command,
+    detect_gpus,
+    flag_args,
+    kill_by_token,
+    plan_slots,
+    run_process,
+    trial_env,
+)
 from hpo.scenario import Resources, Scenario
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
@@ -97,10 +108,10 @@ def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
     (["python", "-u", "train.py"], None),
     ([sys.executable, "train.py", "--lr", "1"], None),
     (["sh", "-c", "true"], None),
-    (["python", "trian.py"], "command: trian.py is neither a file of the trial folder nor an existing path "
-                             "(did you mean train.py?)"),
-    (["python", "evaluate.py"], "command: evaluate.py is neither a file of the trial folder nor an existing path "
-                             "(the trial folder holds train.py, helper.sh)"),
+    (["python", "trian.py"], ("command: trian.py is neither a file of the trial folder nor an existing path "
+                              "(did you mean train.py?)")),
+    (["python", "evaluate.py"], ("command: evaluate.py is neither a file of the trial folder nor an existing path "
+                                 "(the trial folder holds train.py, helper.sh)")),
     (["no-such-program-xyz", "train.py"], "command: program no-such-program-xyz not found"),
     (["./helper.sh"], None),
     (["bash", "run.py"], "command: run.py is neither"),

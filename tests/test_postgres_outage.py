@@ -15,8 +15,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from conftest import cli_env
@@ -43,7 +43,7 @@ def server() -> Iterator[str]:
     """A private PostgreSQL cluster on port 5433 with role and database ``hpo``; dropped afterwards."""
     if os.geteuid() != 0 or not shutil.which("pg_createcluster") or not Path("/usr/lib/postgresql").is_dir():
         pytest.skip("needs root and Debian's PostgreSQL server packages")
-    version = sorted(os.listdir("/usr/lib/postgresql"), key=lambda v: [int(p) for p in v.split(".")])[-1]
+    version = max(os.listdir("/usr/lib/postgresql"), key=lambda v: [int(p) for p in v.split(".")])
     _pg("pg_dropcluster", version, CLUSTER, "--stop")
     created = _pg("pg_createcluster", version, CLUSTER, "-p", str(PORT), "--start")
     assert created.returncode == 0, created.stderr

@@ -5,8 +5,8 @@ import datetime
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from optuna.distributions import FloatDistribution

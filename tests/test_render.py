@@ -5,8 +5,9 @@ import json
 import os
 import shlex
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -1,8 +1,9 @@
 """Loading, validating and freezing the scenario YAML."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 import pytest

@@ -1,8 +1,9 @@
 """Claims, the budget, the design queue and re-runs, in-process on a real SQLite study."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -7,9 +7,16 @@ from typing import Any
 import numpy as np
 import optuna
 import pytest
-from ConfigSpace import (CategoricalHyperparameter, Constant, EqualsCondition, InCondition,
-                         NormalFloatHyperparameter, NormalIntegerHyperparameter,
-                         UniformFloatHyperparameter, UniformIntegerHyperparameter)
+from ConfigSpace import (
+    CategoricalHyperparameter,
+    Constant,
+    EqualsCondition,
+    InCondition,
+    NormalFloatHyperparameter,
+    NormalIntegerHyperparameter,
+    UniformFloatHyperparameter,
+    UniformIntegerHyperparameter,
+)
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from hpo import space

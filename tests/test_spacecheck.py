@@ -33,8 +33,8 @@ def space(**changes: Any) -> dict[str, dict[str, Any]]:
     ({}, None),
     ({"lr": {"type": "float", "low": 1e-4, "high": 0.5}}, None),
     ({"optimizer": {"type": "categorical", "choices": ["sgd", "adam", "rmsprop"]}}, None),
-    ({"hidden": None, "width": BASE["hidden"]}, "parameters.hidden: the study's trials have this parameter, "
-                                                "the scenario no longer (renamed to width?)"),
+    ({"hidden": None, "width": BASE["hidden"]}, ("parameters.hidden: the study's trials have this parameter, "
+                                                 "the scenario no longer (renamed to width?)")),
     ({"hidden": None}, "parameters.hidden: the study's trials have this parameter, the scenario no longer"),
     ({"depth": {"type": "int", "low": 1, "high": 4}}, "parameters.depth: a new parameter"),
     ({"lr": {"type": "float", "low": 1e-3, "high": 0.05}}, "parameters.lr: the range [0.001, 0.1] was narrowed"),

@@ -5,8 +5,9 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 import pytest
@@ -144,9 +145,8 @@ def test_ask_lock_serialises_threads(url: str) -> None:
 
 def test_ask_lock_is_released_on_error(url: str) -> None:
     open_storage(url)
-    with pytest.raises(RuntimeError):
-        with ask_lock(url):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), ask_lock(url):
+        raise RuntimeError("boom")
     with ask_lock(url):
         pass
 
@@ -162,7 +162,7 @@ def test_optuna_url_for_journal_files_is_python_that_opens_them(tmp_path: Path) 
     assert optuna_url("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
     code = optuna_url(f"journal:{tmp_path}/s.log")
     namespace: dict[str, Any] = {}
-    exec(code, namespace)  # the printed line really opens the journal
+    exec(code, namespace)  # noqa: S102 (the printed line really opens the journal)
     assert isinstance(namespace["storage"], JournalStorage)
 
 
