@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from bench.ddp_scaling import timed_run
+from hpo.data import CIFAR10_MEAN, CIFAR10_STD, MNIST_MEAN, MNIST_STD
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = REPO_ROOT / "templates"
@@ -45,8 +46,6 @@ GOAL_RATIO = 0.95
 SHARE_GOALS = {4: 3.5, 8: 5.9}
 EVAL_BATCH_SIZE = 1024
 VAL_FRACTION = 0.1
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
 
 @dataclass(frozen=True)
@@ -192,7 +191,7 @@ def plain_loop(work: Workload, script: Path, train_count: int, val_count: int, s
     train_x, val_x = inputs(train_count), inputs(val_count)
     train_y = torch.randint(0, 10, (train_count,), device=device, generator=generator)
     val_y = torch.randint(0, 10, (val_count,), device=device, generator=generator)
-    mean, std = (CIFAR_MEAN, CIFAR_STD) if work.data == "cifar10" else (MNIST_MEAN, MNIST_STD)
+    mean, std = (CIFAR10_MEAN, CIFAR10_STD) if work.data == "cifar10" else (MNIST_MEAN, MNIST_STD)
     mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
     std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
 

@@ -34,7 +34,10 @@ MNIST_FILES = (
 _IDX_UBYTE = 0x08
 _MNIST_HELP = "download them from the MNIST site and place them there, gzipped or not"
 
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)  # per channel, of pixels scaled to [0, 1]
+
 CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_BATCH = "test_batch"
 _CIFAR10_HELP = (f"download the CIFAR-10 python version and extract its {CIFAR10_FOLDER} "
