@@ -378,7 +378,7 @@ class StudyStore:
         if not claimed:
             raise InputError(f"trial {number}: someone else claimed it first")
         self._claimed_under_lock(number)
-        return optuna.trial.Trial(self.study, trial_id)
+        return self.call(optuna.trial.Trial, self.study, trial_id)  # its constructor reads the trial
 
     def _claimed_under_lock(self, number: int) -> None:
         """Note a trial claimed by the thread that holds the lock: :meth:`locked` puts it back

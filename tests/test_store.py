@@ -282,6 +282,29 @@ def test_a_design_claim_whose_answer_is_lost_takes_its_queued_trial(
     assert [(t.number, t.state) for t in store.trials()] == [(0, TrialState.RUNNING)]
 
 
+def test_a_claimed_trial_whose_read_fails_once_is_read_again(
+        scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taking the claimed trial reads it from the store; a drop there is an outage to ride out
+    (a worker died of it, StorageInternalError, while PostgreSQL was down)."""
+    import sqlalchemy.exc
+
+    store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
+    store.enqueue({"lr": 0.01}, {"design_index": 0})
+    storage = store.optuna_storage
+    real = storage.get_trial
+    dropped: list[int] = []
+
+    def drops_once(trial_id: int) -> object:
+        if not dropped:
+            dropped.append(trial_id)
+            raise sqlalchemy.exc.OperationalError("get_trial", None, Exception("server closed the connection"))
+        return real(trial_id)
+
+    monkeypatch.setattr(storage, "get_trial", drops_once)
+    trial = store.locked(lambda: store.ask(queued_only=True))
+    assert dropped and trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
+
+
 def test_a_queued_trial_whose_answer_is_lost_is_queued_once(
         scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
