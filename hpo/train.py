@@ -486,8 +486,8 @@ def datasets(splits: Mapping[str, tuple[np.ndarray, np.ndarray]],
              inputs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, TensorDataset]:
     """Each ``(inputs, labels)`` pair of numpy arrays as a ``TensorDataset`` sharing their memory,
     its inputs passed through ``inputs`` (e.g. a reshape or a scaling) when given."""
-    mapped = {name: (torch.from_numpy(x), torch.from_numpy(y)) for name, (x, y) in splits.items()}
-    return {name: TensorDataset(x if inputs is None else inputs(x), y) for name, (x, y) in mapped.items()}
+    convert = inputs or (lambda x: x)
+    return {name: TensorDataset(convert(torch.from_numpy(x)), torch.from_numpy(y)) for name, (x, y) in splits.items()}
 
 
 def choose(options: Mapping[str, T], name: str, what: str) -> T:

@@ -244,28 +244,33 @@ def test_a_recreated_study_does_not_read_the_old_cache(scenario: Scenario, tmp_p
     assert StudyStore(scenario, url, create=False).snapshot() == []
 
 
-def _answer_lost_once(monkeypatch: pytest.MonkeyPatch, store: StudyStore, method: str) -> None:
-    """The storage's ``method`` does its work, then (once) the connection drops before the answer."""
+def _drops_once(monkeypatch: pytest.MonkeyPatch, store: StudyStore, method: str, *, work_done: bool = True
+                ) -> list[str]:
+    """The connection drops once during the storage's ``method``: after it did its work (the
+    answer is lost) or, without ``work_done``, before. The list returned holds ``method`` once
+    it has dropped."""
     import sqlalchemy.exc
 
     real = getattr(store.optuna_storage, method)
-    lost = []
+    lost: list[str] = []
 
     def flaky(*args: object, **kwargs: object) -> object:
-        result = real(*args, **kwargs)
-        if not lost:
-            lost.append(method)
-            raise sqlalchemy.exc.OperationalError(method, None, Exception("server closed the connection unexpectedly"))
-        return result
+        if lost:
+            return real(*args, **kwargs)
+        lost.append(method)
+        if work_done:
+            real(*args, **kwargs)
+        raise sqlalchemy.exc.OperationalError(method, None, Exception("server closed the connection unexpectedly"))
 
     monkeypatch.setattr(store.optuna_storage, method, flaky)
+    return lost
 
 
 def test_a_claim_whose_answer_is_lost_takes_the_queued_trial_not_a_new_one(
         scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
     store.enqueue({"lr": 0.01}, {"design_index": 0})
-    _answer_lost_once(monkeypatch, store, "set_trial_state_values")
+    _drops_once(monkeypatch, store, "set_trial_state_values")
     trial = store.ask()
     assert trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
     assert [t.number for t in store.trials()] == [0]
@@ -276,7 +281,7 @@ def test_a_design_claim_whose_answer_is_lost_takes_its_queued_trial(
     """Under the lock, a retried claim that finds its trial RUNNING knows that it claimed it."""
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
     store.enqueue({"lr": 0.01}, {"design_index": 0})
-    _answer_lost_once(monkeypatch, store, "set_trial_state_values")
+    _drops_once(monkeypatch, store, "set_trial_state_values")
     trial = store.locked(lambda: store.ask(queued_only=True))
     assert trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
     assert [(t.number, t.state) for t in store.trials()] == [(0, TrialState.RUNNING)]
@@ -286,21 +291,9 @@ def test_a_claimed_trial_whose_read_fails_once_is_read_again(
         scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Taking the claimed trial reads it from the store; a drop there is an outage to ride out
     (a worker died of it, StorageInternalError, while PostgreSQL was down)."""
-    import sqlalchemy.exc
-
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
     store.enqueue({"lr": 0.01}, {"design_index": 0})
-    storage = store.optuna_storage
-    real = storage.get_trial
-    dropped: list[int] = []
-
-    def drops_once(trial_id: int) -> object:
-        if not dropped:
-            dropped.append(trial_id)
-            raise sqlalchemy.exc.OperationalError("get_trial", None, Exception("server closed the connection"))
-        return real(trial_id)
-
-    monkeypatch.setattr(storage, "get_trial", drops_once)
+    dropped = _drops_once(monkeypatch, store, "get_trial", work_done=False)
     trial = store.locked(lambda: store.ask(queued_only=True))
     assert dropped and trial.number == 0 and trial.suggest_float("lr", 1e-4, 0.5, log=True) == 0.01
 
@@ -308,7 +301,7 @@ def test_a_claimed_trial_whose_read_fails_once_is_read_again(
 def test_a_queued_trial_whose_answer_is_lost_is_queued_once(
         scenario: Scenario, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StudyStore(scenario, f"sqlite:///{tmp_path}/s.db")
-    _answer_lost_once(monkeypatch, store, "_create_new_trial")  # what the study's caching storage calls
+    _drops_once(monkeypatch, store, "_create_new_trial")  # what the study's caching storage calls
     store.enqueue({"lr": 0.01}, {"design_index": 0})
     assert [t.state for t in store.trials()] == [TrialState.WAITING]
 
