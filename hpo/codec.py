@@ -57,6 +57,9 @@ class Codec:
         self._steps = [space.grid_steps({"p": p}).get("p") for p in self._p]
         self._conditions = [(j, self._condition_of(p)) for j, p in enumerate(self._p) if p.condition]
         self.conditional = bool(self._conditions)
+        # per column: the number of choices of an always active categorical of several, else 0
+        self.unconditional_choices = [len(p.choices or ()) if p.type == "categorical" and not p.condition
+                              and len(p.choices or ()) > 1 else 0 for p in self._p]
 
     def __reduce__(self) -> tuple[type[Codec], tuple[dict[str, SimpleNamespace]]]:
         """A codec pickles as a codec of its parameters' fields, plain data: the process that

@@ -357,3 +357,36 @@ def test_a_gp_proposal_beside_a_running_trial_is_made_again_around_it() -> None:
     study.sampler = SmacSampler(params, seed=5)  # worker B: the same model, so the same first proposal
     beside = space.suggest(study.ask(), params)
     assert max(abs(running[name] - beside[name]) for name in params) > 0.01
+
+
+def test_every_fourth_forest_proposal_takes_the_least_tried_choice() -> None:
+    """A choice that started badly is not given up for good: every 4th proposal of the forest
+    is its best candidate with the value of an unconditional categorical parameter that the
+    fewest trials (finished or running) have, here the kernels the costs make it shun."""
+    params = {"kernel": Param(type="categorical", choices=("rbf", "poly", "sigmoid")),
+              "c": Param(type="float", low=0.0, high=1.0),
+              "degree": Param(type="int", low=2, high=5, condition={"kernel": "poly"})}
+    penalty = {"rbf": 0.0, "poly": 5.0, "sigmoid": 10.0}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+
+    def cost(trial: optuna.Trial) -> float:
+        values = _suggest(params)(trial)
+        return values["c"] + penalty[values["kernel"]]
+
+    study.optimize(cost, n_trials=40)
+    kernels = [t.params["kernel"] for t in study.trials]
+    for number in range(7, 40, 4):  # trials 0 to 3 are the start design
+        counts = {k: kernels[:number].count(k) for k in penalty}
+        assert counts[kernels[number]] == min(counts.values()), f"trial {number}: {counts}"
+    assert min(kernels.count(k) for k in penalty) >= 40 // 4 // 3
+    assert kernels[4:].count("rbf") > 20  # the others still exploit the best choice
+
+
+def test_only_unconditional_choices_of_several_values_are_balanced() -> None:
+    from hpo.codec import Codec
+
+    assert Codec(CONDITIONAL_PARAMS).unconditional_choices == [2, 0, 0, 0]
+    assert Codec({"lr": Param(type="float", low=0.0, high=1.0),
+                  "model": Param(type="categorical", choices=("mlp", "cnn", "rnn")),
+                  "act": Param(type="categorical", choices=("relu", "tanh"), condition={"model": "mlp"}),
+                  "fixed": Param(type="categorical", choices=("a",))}).unconditional_choices == [0, 3, 0, 0]
