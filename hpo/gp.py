@@ -1,4 +1,4 @@
-"""Gaussian-process proposals for hpo's optimizer: Optuna's GPSampler on SMAC's costs.
+"""Gaussian-process proposals for hpo's optimizer: Optuna's GPSampler on SMAC's costs, warped.
 
 SMAC3's black-box facade answers small continuous problems with a GP. hpo asks Optuna's
 :class:`~optuna.samplers.GPSampler` (Matern-5/2 ARD kernel, log expected improvement, a
@@ -6,6 +6,26 @@ batched local search of it) through its public sampler interface, on a private i
 study that holds the finished history as the optimizer sees it
 (:class:`hpo.history.Observations`): crashes at the crash cost, pruned trials at the chosen
 budget.
+
+The GP is told the costs through a Yeo-Johnson power transform fitted to them
+(:func:`warped`), as HEBO warps its outputs: Optuna's GP standardizes the costs, so on a
+heavy-tailed cost (Rosenbrock's, a loss that explodes for a bad learning rate) the few huge
+values set the scale and the region worth refining looks flat. The transform's exponent is
+kept at -1 or more: once many trials gather near the optimum the fitted exponent falls to -2
+and below, which flattens everything else. On bench/optimizers.py (10 seeds, median regret
+at 50 and 100 trials, against Optuna's GP on the raw costs) this took Rosenbrock-4 from 263
+and 14 to 34 and 2.6, Levy-4 from 0.56 and 0.11 to 0.23 and 0.058, the mixed space from
+2.2e-5 and 8.2e-6 to 1.9e-6 and 1.6e-6, Hartmann-3 and Ackley-5 down by 1.1x to 4.5x; Branin
+at 50 trials and Hartmann-6 at 50 came out 1.34x and 1.04x, and over 20 more seeds (10 to
+29) the warped GP was ahead there too (Branin 5.9e-5 against 7.3e-5, Hartmann-6 0.0029
+against 0.0105). On the real tasks, whose tied costs soon hand over to the forest, gradient
+boosting went from 1.10x and 1.13x SMAC3's regret to 0.90x and 1.00x, and the MLP on digits
+lost one validation example of 797 at 50 trials; on bench/multifidelity.py, where the GP
+keeps its space under Hyperband, smac + Hyperband reached 0.0034 against TPE + Hyperband's
+0.0059. The exponent floor was measured: unbounded, Branin at 100 trials lost 1.2x; at 0,
+Rosenbrock-4 kept less of its gain. SMAC's log-scaled costs and a normal-scores (rank)
+transform were far worse on the smooth functions (Branin 500x to 2,800x at 50 trials): they
+distort the costs near the optimum.
 
 Running trials (other workers', other slots') are not shown to the GP at first. Optuna's
 GPSampler would fold them into a q-batch log EI, which spreads parallel workers away from the
@@ -29,6 +49,7 @@ from typing import Any
 import numpy as np
 import optuna
 from optuna.trial import TrialState
+from scipy import stats
 
 from hpo.codec import Codec
 from hpo.history import Observations
@@ -52,15 +73,16 @@ class GPProposer:
 
     def propose(self, observations: Observations, running: bool = False) -> dict[str, Any]:
         """The configuration the GP's acquisition prefers, given the observations (at least
-        one). Trials are given to the GP with their exact values, and the search space in the
-        order Optuna's own GPSampler uses (sorted by name), so that on the same history it
-        proposes exactly what ``search.method: gp`` would. With ``running``, the pending
-        configurations are shown to it as running trials (Optuna's q-batch log EI)."""
+        one). Trials are given to the GP with their exact parameter values and their
+        :func:`warped` costs, and the search space in the order Optuna's own GPSampler uses
+        (sorted by name), so that it proposes exactly what ``search.method: gp`` would on a
+        history of the warped costs. With ``running``, the pending configurations are shown to
+        it as running trials (Optuna's q-batch log EI)."""
         study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
                                     sampler=optuna.samplers.RandomSampler(seed=0))
         observed = self._exact(observations.x, observations.params)
         trials = [optuna.trial.create_trial(params=params, distributions=self._distributions, value=float(cost))
-                  for params, cost in zip(observed, observations.y)]
+                  for params, cost in zip(observed, warped(observations.y))]
         if running:
             trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=self._params(row),
                                                  distributions=self._distributions)
@@ -110,3 +132,20 @@ class GPProposer:
             else:
                 params[name] = values[name]
         return params
+
+
+_LOWEST_EXPONENT = -1.0
+
+
+def warped(costs: np.ndarray) -> np.ndarray:
+    """``costs`` standardized and put through the Yeo-Johnson transform whose exponent (at
+    least -1) makes them most normal (scipy's maximum likelihood); order is kept. Costs with
+    fewer than 3 distinct values are returned as they are."""
+    costs = np.asarray(costs, dtype=float)
+    if len(np.unique(costs)) < 3:
+        return costs
+    standard = (costs - costs.mean()) / costs.std()
+    with np.errstate(all="ignore"):
+        exponent = stats.yeojohnson_normmax(standard)
+    exponent = max(float(exponent), _LOWEST_EXPONENT) if np.isfinite(exponent) else 1.0
+    return stats.yeojohnson(standard, lmbda=exponent)

@@ -9,16 +9,16 @@ from the study incrementally (:class:`hpo.history.History`), so any number of th
 processes can share one storage.
 
 Like SMAC3's facades it is a portfolio. While the space is unconditional with at most 10
-searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`) through
-and through: the same random start (the same draws for the same seed) and the same proposals
-from the same history, so on such a problem ``smac`` and ``gp`` find the same
-configurations, except that ``smac`` learns from crashes, never repeats a configuration and
-turns to the forest once costs tie (below). For conditional or larger spaces and long
-histories it is a scrambled Sobol design, then SMAC's random forest (:mod:`hpo.forest`),
-whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far ahead of the forest
-on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D Branin (median
-regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100); the suite has nothing
-in between, so the line at 10 is a choice within that gap.
+searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`): the
+same random start (the same draws for the same seed), then the proposals Optuna's GP makes
+when told the costs through a fitted power transform, which keeps a heavy-tailed cost from
+hiding the region worth refining; unlike ``gp``, ``smac`` also learns from crashes, never
+repeats a configuration and turns to the forest once costs tie (below). For conditional or
+larger spaces and long histories it is a scrambled Sobol design, then SMAC's random forest
+(:mod:`hpo.forest`), whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far
+ahead of the forest on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D
+Branin (median regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100); the
+suite has nothing in between, so the line at 10 is a choice within that gap.
 
 A GP assumes a smooth cost. An error counted over a few hundred validation examples is a
 step function instead: configurations tie exactly, and the forest, whose trees are step

@@ -1,0 +1,68 @@
+"""hpo.gp: the costs the GP is told (warped) and the proposal it makes from them."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import optuna
+import pytest
+from scipy import stats
+
+from hpo.codec import Codec, keys
+from hpo.gp import GPProposer, warped
+from hpo.history import Observations
+from hpo.scenario import Param
+
+PARAMS = {"x": Param(type="float", low=-2.0, high=2.0), "y": Param(type="float", low=-1.0, high=3.0)}
+
+
+def _rosenbrock(rows: np.ndarray) -> np.ndarray:
+    return 100 * (rows[:, 1] - rows[:, 0] ** 2) ** 2 + (1 - rows[:, 0]) ** 2
+
+
+def test_warping_keeps_the_order_and_tames_a_heavy_tail() -> None:
+    costs = _rosenbrock(np.random.default_rng(0).uniform([-2, -1], [2, 3], size=(30, 2)))
+    out = warped(costs)
+    assert np.array_equal(np.argsort(out, kind="stable"), np.argsort(costs, kind="stable"))
+    assert abs(stats.skew(out)) < 0.5 < stats.skew(costs)
+
+
+def test_warping_ignores_the_unit_and_offset_of_the_cost() -> None:
+    costs = np.random.default_rng(1).lognormal(size=20)
+    assert np.allclose(warped(costs), warped(1000 * costs - 7))
+
+
+@pytest.mark.parametrize("costs", [[1.0], [2.0, 1.0], [3.0, 3.0, 1.0, 1.0]])
+def test_fewer_than_three_distinct_costs_are_left_as_they_are(costs: list[float]) -> None:
+    assert np.array_equal(warped(np.array(costs)), np.array(costs))
+
+
+def test_the_exponent_stays_at_minus_one_or_above() -> None:
+    """Many costs near the optimum and a few far worse: the fitted exponent would fall below -1;
+    the transform is the one at -1."""
+    costs = np.concatenate([np.linspace(0.0, 0.01, 40), [5.0, 50.0, 500.0]])
+    standard = (costs - costs.mean()) / costs.std()
+    assert stats.yeojohnson_normmax(standard) < -1
+    assert np.allclose(warped(costs), stats.yeojohnson(standard, lmbda=-1.0))
+
+
+def test_the_gp_proposes_what_optunas_gp_proposes_on_the_warped_costs() -> None:
+    codec = Codec(PARAMS)
+    x = codec.sample(12, np.random.default_rng(2))
+    costs = _rosenbrock(np.array([[codec.decode(row)["x"], codec.decode(row)["y"]] for row in x]))
+    observations = Observations(x, costs, np.zeros(12, dtype=bool), np.empty((0, 2)), frozenset(keys(x)))
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    distributions = codec.distributions()
+    study.add_trials([optuna.trial.create_trial(params={n: float(codec.decode(row)[n]) for n in PARAMS},
+                                                distributions=distributions, value=float(value))
+                      for row, value in zip(x, warped(costs))])
+    trial = study.ask()
+    frozen = study.trials[trial.number]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sampler = optuna.samplers.GPSampler(seed=4, n_startup_trials=1)
+        expected = sampler.sample_relative(study, frozen, dict(sorted(distributions.items())))
+    assert GPProposer(codec, seed=4).propose(observations) == expected
+    assert GPProposer(codec, seed=4).propose(observations) != GPProposer(codec, seed=4).propose(
+        Observations(x, np.log(costs + 1), observations.crashed, observations.pending, observations.seen))
