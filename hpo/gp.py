@@ -27,18 +27,17 @@ Rosenbrock-4 kept less of its gain. SMAC's log-scaled costs and a normal-scores 
 transform were far worse on the smooth functions (Branin 500x to 2,800x at 50 trials): they
 distort the costs near the optimum.
 
-Running trials (other workers', other slots') are not shown to the GP at first. Optuna's
-GPSampler would fold them into a q-batch log EI, which spreads parallel workers away from the
-trials already running in the best basin; on bench/parallel.py (Hartmann-6, 4 workers, 50
-trials, seeds 1 to 20) that left 8 of 20 sweeps in a local optimum (median regret 0.031), where
-proposing from the finished trials alone left 3 of 20 (median regret 0.018). But workers whose
-acquisitions agree then propose the same point, often a corner the GP explores, and the later
-ones evaluated an unseen neighbour 0.1 % away, a wasted trial. So a proposal within 1 % of a
-running configuration is made again with the running trials shown to the GP
-(:class:`hpo.optimizer.SmacSampler`): over seeds 1 to 20 of the same bench, median regret
-0.046 -> 0.020, runs in a local optimum 7 -> 5, and the median of the others 0.022 -> 0.011.
-Runs of several workers depend on timing, so these figures move between repeats (without the
-re-proposal, 3 of 20 trapped and 0.018 one day, 7 of 20 and 0.046 another).
+Running trials (other workers', other slots') are shown to the GP as running trials, so
+Optuna's GPSampler proposes the point that best adds to them (its q-batch log EI) and
+parallel workers spread out instead of proposing one point each. On the raw costs this had
+left more sweeps in a local optimum than proposing from the finished trials alone, and hpo
+did that, showing the running trials only to a proposal within 1 % of one of them. On the
+warped costs the batch does better: bench/parallel.py --in-process (Hartmann-6, 50 trials,
+each proposal made while 3 trials run, seeds 1 to 100) had 51 runs in a local optimum and a
+median regret of 0.012 for the others under the 1 % rule, and 46 and 0.0086 with the running
+trials always shown (45 and 0.0046 in a second run that drew other random numbers); one
+worker has 35 and 0.0009. The GP refines its basin a step at a time, and each of 4 workers'
+proposals lacks 3 results, which is most of what is still lost.
 """
 from __future__ import annotations
 
@@ -71,22 +70,21 @@ class GPProposer:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             self._sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=1, warn_independent_sampling=False)
 
-    def propose(self, observations: Observations, running: bool = False) -> dict[str, Any]:
+    def propose(self, observations: Observations) -> dict[str, Any]:
         """The configuration the GP's acquisition prefers, given the observations (at least
         one). Trials are given to the GP with their exact parameter values and their
-        :func:`warped` costs, and the search space in the order Optuna's own GPSampler uses
-        (sorted by name), so that it proposes exactly what ``search.method: gp`` would on a
-        history of the warped costs. With ``running``, the pending configurations are shown to
-        it as running trials (Optuna's q-batch log EI)."""
+        :func:`warped` costs, the pending configurations as running trials, and the search
+        space in the order Optuna's own GPSampler uses (sorted by name), so that it proposes
+        exactly what ``search.method: gp`` would on that history: with running trials, the
+        point that best adds to them (Optuna's q-batch log EI)."""
         study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
                                     sampler=optuna.samplers.RandomSampler(seed=0))
         observed = self._exact(observations.x, observations.params)
         trials = [optuna.trial.create_trial(params=params, distributions=self._distributions, value=float(cost))
                   for params, cost in zip(observed, warped(observations.y))]
-        if running:
-            trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=self._params(row),
-                                                 distributions=self._distributions)
-                       for row in self._complete(observations.pending)]
+        trials += [optuna.trial.create_trial(state=TrialState.RUNNING, params=self._params(row),
+                                             distributions=self._distributions)
+                   for row in self._complete(observations.pending)]
         study.add_trials(trials)
         number = study.ask().number
         trial = next(t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t.number == number)

@@ -75,7 +75,6 @@ if TYPE_CHECKING:
 
 MODELS = ("auto", "forest", "gp")
 _GP_INITIAL = 10
-_NEAR = 0.01
 
 
 class SmacSampler(BaseSampler):
@@ -88,8 +87,7 @@ class SmacSampler(BaseSampler):
     one worker does), then the configuration of highest expected improvement under the model (and, if
     ``random_every`` > 0, a random configuration every ``random_every``-th trial). A
     configuration already in the history (whatever its outcome) or running is never proposed
-    while an unseen one can be found, and a GP proposal within 1 % of each range of a running
-    configuration is made again with the running trials shown to the GP (:mod:`hpo.gp`).
+    while an unseen one can be found; the GP is shown the running trials (q-batch EI, :mod:`hpo.gp`).
     Every ``balance_every``-th proposal of the forest is its best candidate among those that
     take the least-tried value (finished and running trials counted) of a categorical
     parameter without a condition, so a choice that started badly is tried again.
@@ -238,10 +236,7 @@ class SmacSampler(BaseSampler):
             candidates = self._codec.sample(self._n_random, rng)
         elif self._gp_serves(observations):
             self._gp = self._gp or GPProposer(self._codec, self._seed)
-            proposal = self._gp.propose(observations)
-            if self._near_pending(proposal, observations.pending):
-                proposal = self._gp.propose(observations, running=True)
-            return self._unseen_or_first(proposal, observations.seen, rng)
+            return self._unseen_or_first(self._gp.propose(observations), observations.seen, rng)
         else:
             candidates = forest_service.ranked(self._codec, observations.x, observations.y, observations.pending,
                                                f"{self._key}:{study.study_name}", rng,
@@ -278,14 +273,6 @@ class SmacSampler(BaseSampler):
             return {**self._codec.decode(row[0]), **params}
         return self._codec.decode(self._first_unseen(self._codec.perturb(np.repeat(row, 20, axis=0), 0.001, rng),
                                                      seen, rng))
-
-    def _near_pending(self, params: dict[str, Any], pending: np.ndarray) -> bool:
-        """Whether ``params`` lies within 1 % of each range of a running configuration."""
-        if not len(pending):
-            return False
-        row = self._codec.canonical(self._codec.encode([params]))
-        close = np.abs(self._codec.canonical(pending) - row) <= _NEAR
-        return bool(np.any(np.all(close | np.isnan(pending), axis=1)))
 
     def _first_unseen(self, candidates: np.ndarray, seen: frozenset[bytes], rng: np.random.Generator) -> np.ndarray:
         """The first candidate not in ``seen``, else the first unseen random configuration,

@@ -267,8 +267,8 @@ def models_used(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     used: list[str] = []
     gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
-    monkeypatch.setattr(GPProposer, "propose", lambda self, obs, running=False: used.append("gp")
-                        or gp_propose(self, obs, running))
+    monkeypatch.setattr(GPProposer, "propose", lambda self, obs: used.append("gp")
+                        or gp_propose(self, obs))
     monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
     return used
 
@@ -321,9 +321,9 @@ def test_a_history_with_pruned_trials_keeps_the_gp_whatever_ties(models_used: li
     assert models_used and set(models_used) == {"gp"}
 
 
-def test_the_gp_proposes_from_finished_trials_alone() -> None:
-    """Other workers' running trials do not move the GP's proposal (see hpo.gp); they only
-    count as seen, so the proposal is never one of them."""
+def test_the_gp_is_shown_the_running_trials() -> None:
+    """Other workers' running trials go to the GP as running trials (q-batch EI, see hpo.gp),
+    so its proposal is not the one it makes from the finished trials alone."""
     import numpy as np
 
     from hpo.codec import Codec, keys
@@ -335,16 +335,16 @@ def test_the_gp_proposes_from_finished_trials_alone() -> None:
     rng = np.random.default_rng(0)
     x = codec.sample(12, rng)
     y = (x[:, 0] - 0.3) ** 2 + (x[:, 1] - 0.6) ** 2
-    pending = codec.sample(3, rng)
     alone = Observations(x, y, np.zeros(12, dtype=bool), np.empty((0, 2)), frozenset(keys(x)))
+    first = GPProposer(codec, seed=5).propose(alone)
+    pending = codec.encode([first])
     beside = Observations(x, y, np.zeros(12, dtype=bool), pending, frozenset(keys(np.vstack([x, pending]))))
-    assert GPProposer(codec, seed=5).propose(beside) == GPProposer(codec, seed=5).propose(alone)
+    assert GPProposer(codec, seed=5).propose(beside) != first
 
 
-def test_a_gp_proposal_beside_a_running_trial_is_made_again_around_it() -> None:
-    """Where the GP's proposal falls within 1 % of a running configuration (two workers whose
-    acquisitions agree), it proposes again with the running trials shown to it, so the second
-    worker evaluates somewhere else instead of beside the first."""
+def test_a_second_worker_with_the_same_model_proposes_away_from_the_first() -> None:
+    """Two workers whose acquisitions agree: the second sees the first's proposal running and
+    evaluates somewhere else instead of beside it."""
     params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
     distributions = space.distributions(params)
     start = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
@@ -355,7 +355,7 @@ def test_a_gp_proposal_beside_a_running_trial_is_made_again_around_it() -> None:
         study.add_trial(optuna.trial.create_trial(params=values, distributions=distributions, value=value))
 
     running = space.suggest(study.ask(), params)  # worker A's proposal, left running
-    study.sampler = SmacSampler(params, seed=5)  # worker B: the same model, so the same first proposal
+    study.sampler = SmacSampler(params, seed=5)  # worker B: the same model and seed
     beside = space.suggest(study.ask(), params)
     assert max(abs(running[name] - beside[name]) for name in params) > 0.01
 
