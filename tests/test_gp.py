@@ -49,22 +49,23 @@ def test_the_exponent_stays_at_minus_one_or_above() -> None:
 def test_the_gp_proposes_what_optunas_gp_proposes_on_the_warped_costs() -> None:
     codec = Codec(PARAMS)
     x = codec.sample(12, np.random.default_rng(2))
-    costs = _rosenbrock(np.array([[codec.decode(row)["x"], codec.decode(row)["y"]] for row in x]))
+    points = [{name: float(value) for name, value in codec.decode(row).items()} for row in x]
+    costs = _rosenbrock(np.array([[point["x"], point["y"]] for point in points]))
     observations = Observations(x, costs, np.zeros(12, dtype=bool), np.empty((0, 2)), frozenset(keys(x)))
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     distributions = codec.distributions()
-    study.add_trials([optuna.trial.create_trial(params={n: float(codec.decode(row)[n]) for n in PARAMS},
-                                                distributions=distributions, value=float(value))
-                      for row, value in zip(x, warped(costs))])
+    study.add_trials([optuna.trial.create_trial(params=point, distributions=distributions, value=float(value))
+                      for point, value in zip(points, warped(costs))])
     trial = study.ask()
     frozen = study.trials[trial.number]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sampler = optuna.samplers.GPSampler(seed=4, n_startup_trials=1)
         expected = sampler.sample_relative(study, frozen, dict(sorted(distributions.items())))
-    assert GPProposer(codec, seed=4).propose(observations) == expected
-    assert GPProposer(codec, seed=4).propose(observations) != GPProposer(codec, seed=4).propose(
+    proposal = GPProposer(codec, seed=4).propose(observations)
+    assert proposal == expected
+    assert proposal != GPProposer(codec, seed=4).propose(
         Observations(x, np.log(costs + 1), observations.crashed, observations.pending, observations.seen))
 
 
