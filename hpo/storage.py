@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import optuna
 
 SQLITE_TIMEOUT_S = 120
+MAX_PAUSE_S = 5.0  # the longest pause between two tries of a store call: every thread tries again this soon
 SCHEMES = ("sqlite:///PATH", "postgresql://...", "mysql://...", "journal:PATH")
 _SERVER_SCHEMES = ("postgresql", "postgres", "mysql")
 _THREAD_LOCK = threading.RLock()
@@ -285,7 +286,7 @@ class Retrying:
                     raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "
                                            f"(resources.store_retry): {first_line[:200]}") from None
                 time.sleep(min(pause, max(0.0, self._deadline_s - elapsed)))
-                pause = min(pause * 2, 5.0)
+                pause = min(pause * 2, MAX_PAUSE_S)
                 continue
             with self._lock:
                 if self._down_since is not None:

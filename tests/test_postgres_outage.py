@@ -117,6 +117,7 @@ def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path)
     assert f"{TRIALS}/{TRIALS} trials done: {TRIALS} complete." in out
     logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
     assert "is not answering" in logs and "the store answers again" in logs
+    assert "judged lost" not in logs
     assert_every_point_once(path)
 
 

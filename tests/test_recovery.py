@@ -18,7 +18,9 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, recover_stale
 from hpo.scenario import load_scenario
 from hpo.scheduler import HOST, Claim, Scheduler, worker_id
+from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
+from hpo.watchdog import judges_beats
 
 WriteScenario = Callable[..., Path]
 ME = worker_id()
@@ -53,6 +55,18 @@ def frozen(worker: str, beat_age: float | None, number: int = 0) -> object:
 def test_is_stale(worker: str, beat_age: float | None, mine: set[int], judge: bool, stale: bool) -> None:
     worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}"}.get(worker, worker)
     assert is_stale(frozen(worker, beat_age), time.time(), 1.0, ME, mine, judge) is stale  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("healthy_since", "judged"), [
+    pytest.param(float("-inf"), True, id="no-outage"),
+    pytest.param(None, False, id="store-down"),
+    pytest.param(100.0 - STALE_AFTER_BEATS * 2.0, False, id="back-3-beats-ago-others-may-still-pause"),
+    pytest.param(100.0 - STALE_AFTER_BEATS * 2.0 - MAX_PAUSE_S + 0.1, False, id="within-the-last-pause"),
+    pytest.param(100.0 - STALE_AFTER_BEATS * 2.0 - MAX_PAUSE_S - 0.1, True, id="every-worker-had-time-to-beat"),
+])
+def test_heartbeats_are_judged_only_once_every_worker_could_beat_after_an_outage(healthy_since: float | None,
+                                                                                 judged: bool) -> None:
+    assert judges_beats(healthy_since, now=100.0, heartbeat_s=2.0) is judged
 
 
 def make(tmp_path: Path, write_scenario: WriteScenario) -> Scheduler:
