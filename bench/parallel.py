@@ -13,7 +13,10 @@ With ``--in-process`` the same comparison runs without processes or timing: one 
 in-memory study, each proposal made while exactly K-1 trials run (K workers whose trials all
 take as long). It runs a seed in about 5 s, so rules for running trials can be compared on 100
 seeds; it also prints how often 10 seeds drawn from those give a ratio within 1.2x, which says how
-much one 10-seed run of the real bench can tell.
+much one 10-seed run of the real bench can tell. The K-worker studies go on to twice the trials
+(a proposal depends only on the trials before it, so their first N trials are the N-trial
+study), and the bench prints after how many trials K workers reach the median regret one worker
+has at N: what parallel proposals cost in trials.
 
     python -m bench.parallel [--workers 4] [--trials 50] [--seeds 10] [--sleep 0.3] [--method smac]
     python -m bench.parallel --seeds 11:21    # seeds 11 to 20, to add to an earlier run's
@@ -82,9 +85,9 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
 
 
-def run_in_process(workers: int, trials: int, seed: int, method: str) -> tuple[float, int]:
+def run_in_process(workers: int, trials: int, seed: int, method: str) -> tuple[np.ndarray, list[tuple[Any, ...]]]:
     """Run one study in memory, each proposal made while ``workers - 1`` trials run; return
-    (regret, duplicate configurations)."""
+    the best regret after each trial, and the trials' configurations."""
     function = FUNCTIONS["hartmann6"]
     study = optuna.create_study(sampler=build_sampler(method, function.params, seed=seed),
                                 study_name=f"h6-{workers}-{seed}")
@@ -97,28 +100,38 @@ def run_in_process(workers: int, trials: int, seed: int, method: str) -> tuple[f
             study.tell(oldest, function.objective(values))
     for trial, values in running:
         study.tell(trial, function.objective(values))
-    configs = [tuple(t.params.values()) for t in study.trials]
-    return study.best_value - HARTMANN6_MIN, len(configs) - len(set(configs))
+    regrets = np.minimum.accumulate([t.value for t in study.trials]) - HARTMANN6_MIN
+    return regrets, [tuple(t.params.values()) for t in study.trials]
 
 
 def in_process(workers: int, trials: int, seeds: range, method: str) -> None:
     """Print the in-process comparison (see the module docstring)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    results = {count: [run_in_process(count, trials, seed, method) for seed in seeds] for count in (1, workers)}
+    results = {count: [run_in_process(count, trials * (1 if count == 1 else 2), seed, method) for seed in seeds]
+               for count in (1, workers)}
     print(f"Hartmann-6 in process, method {method}, {trials} trials, seeds {seeds.start}-{seeds.stop - 1}, "
           f"each proposal made while workers - 1 trials run")
     print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'median untrapped':>17} {'duplicates':>11}")
+    curves = {count: np.array([r[0] for r in runs]) for count, runs in results.items()}
     for count, runs in results.items():
-        regrets = [r[0] for r in runs]
-        untrapped = [r for r in regrets if r <= TRAPPED]
-        print(f"{count:>8} {statistics.median(regrets):>14.4f} {len(regrets) - len(untrapped):>8} "
-              f"{statistics.median(untrapped) if untrapped else math.nan:>17.4f} {sum(r[1] for r in runs):>11}")
-    one, many = ([r[0] for r in results[count]] for count in results)
+        regrets = curves[count][:, trials - 1]
+        untrapped = regrets[regrets <= TRAPPED]
+        duplicates = sum(len(r[1][:trials]) - len(set(r[1][:trials])) for r in runs)
+        print(f"{count:>8} {np.median(regrets):>14.4f} {len(regrets) - len(untrapped):>8} "
+              f"{np.median(untrapped) if len(untrapped) else math.nan:>17.4f} {duplicates:>11}")
+    one, many = (curves[count][:, trials - 1] for count in results)
     draws = np.random.default_rng(0).choice(len(one), size=(2000, min(10, len(one))))
-    ratios = np.median(np.asarray(many)[draws], axis=1) / np.median(np.asarray(one)[draws], axis=1)
-    print(f"regret ratio {workers} workers / 1 worker: {statistics.median(many) / statistics.median(one):.2f} "
+    ratios = np.median(many[draws], axis=1) / np.median(one[draws], axis=1)
+    print(f"regret ratio {workers} workers / 1 worker: {np.median(many) / np.median(one):.2f} "
           f"(goal <= 1.2); over 2000 draws of 10 of these seeds, the ratio is within 1.2 in "
           f"{np.mean(ratios <= 1.2):.0%} (median ratio {np.median(ratios):.2f})")
+    medians = np.median(curves[workers], axis=0)
+    for n in sorted({trials // 2, trials * 3 // 4, trials}):
+        target = np.median(curves[1][:, n - 1])
+        reached = np.flatnonzero(medians <= target)
+        when = f"after {reached[0] + 1} trials ({(reached[0] + 1) / n:.2f}x)" if len(reached) else \
+            f"not within {len(medians)} trials"
+        print(f"one worker's median regret at {n} trials, {target:.4f}: {workers} workers reach it {when}")
 
 
 def main() -> None:
