@@ -82,7 +82,12 @@ def run_study(folder: Path, workers: int, trials: int, seed: int, sleep: float, 
     values = [row.value for row in rows if row.value is not None]
     configs = [tuple(round(row.params[f"x{i}"], 12) for i in range(6)) for row in rows]
     assert len(rows) == trials, f"{len(rows)} trials instead of {trials}"
-    return min(values) - HARTMANN6_MIN, len(configs) - len(set(configs)), 3600 * len(rows) / wall
+    return min(values) - HARTMANN6_MIN, duplicates(configs), 3600 * len(rows) / wall
+
+
+def duplicates(configs: list[tuple[Any, ...]]) -> int:
+    """How many of ``configs`` repeat an earlier one."""
+    return len(configs) - len(set(configs))
 
 
 def run_in_process(workers: int, trials: int, seed: int, method: str) -> tuple[np.ndarray, list[tuple[Any, ...]]]:
@@ -116,9 +121,9 @@ def in_process(workers: int, trials: int, seeds: range, method: str) -> None:
     for count, runs in results.items():
         regrets = curves[count][:, trials - 1]
         untrapped = regrets[regrets <= TRAPPED]
-        duplicates = sum(len(r[1][:trials]) - len(set(r[1][:trials])) for r in runs)
+        repeated = sum(duplicates(r[1][:trials]) for r in runs)
         print(f"{count:>8} {np.median(regrets):>14.4f} {len(regrets) - len(untrapped):>8} "
-              f"{np.median(untrapped) if len(untrapped) else math.nan:>17.4f} {duplicates:>11}")
+              f"{np.median(untrapped) if len(untrapped) else math.nan:>17.4f} {repeated:>11}")
     one, many = (curves[count][:, trials - 1] for count in results)
     draws = np.random.default_rng(0).choice(len(one), size=(2000, min(10, len(one))))
     ratios = np.median(many[draws], axis=1) / np.median(one[draws], axis=1)

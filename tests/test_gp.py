@@ -1,6 +1,8 @@
 """hpo.gp: the costs the GP is told (warped) and the proposal it makes from them."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -72,9 +74,6 @@ def test_the_gp_proposes_what_optunas_gp_proposes_on_the_warped_costs() -> None:
 def test_importing_the_optimizer_leaves_scipy_stats_for_the_first_warp() -> None:
     """scipy.stats takes about half a second to import, which a sweep of 20 trials pays as
     25 ms a trial (bench/optimizer_cost.py); the GP imports it on its first proposal."""
-    import subprocess
-    import sys
-
     code = "import sys, hpo.optimizer; print('scipy.stats' in sys.modules)"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert shown.strip() == "False"
