@@ -72,6 +72,10 @@ def local_path(url: str) -> Path | None:
 
 _CREATE_ATTEMPTS = 5
 _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate key value", re.IGNORECASE)
+# A server that is restarting or shutting down (PostgreSQL's SQLSTATE class 57P) answers a
+# good URL: opening the store again later succeeds, so it is an outage, not bad input.
+_SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
+                                r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
 
 
 def check_url(url: str) -> None:
@@ -117,6 +121,8 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
+        if isinstance(exc, _transient_errors()) and _SERVER_RESTARTING.search(str(exc)):
+            raise  # the caller's Retrying waits for the server
         raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
 
 

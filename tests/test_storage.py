@@ -11,6 +11,7 @@ from typing import Any
 
 import optuna
 import pytest
+import sqlalchemy
 from optuna.storages import JournalStorage, RDBStorage
 
 from hpo.errors import InputError, StoreUnavailable
@@ -75,6 +76,28 @@ def test_sqlite_runs_in_wal_mode_syncing_at_checkpoints(tmp_path: Path) -> None:
 def test_bad_url_is_an_input_error() -> None:
     with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):
         open_storage("nosuchdb://x")
+
+
+def test_a_server_restarting_while_the_store_opens_is_an_outage(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """PostgreSQL ends new sessions while it restarts: that is retried, not a bad --storage."""
+    real = RDBStorage
+    attempts: list[str] = []
+
+    def restarting(url: str, **kwargs: Any) -> RDBStorage:
+        attempts.append(url)
+        if len(attempts) <= 2:  # this test's call, then Retrying's first attempt
+            raise sqlalchemy.exc.OperationalError(
+                "SELECT 1", None, Exception("terminating connection due to administrator command"))
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", restarting)
+    url = f"sqlite:///{tmp_path}/study.db"
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        open_storage(url)
+    messages: list[str] = []
+    assert isinstance(Retrying(url, 10, messages.append)(open_storage, url), real)
+    assert len(attempts) == 3 and messages[-1].startswith("the store answers again")
 
 
 def _hold_lock(url: str, held: Any, release: Any) -> None:
