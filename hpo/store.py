@@ -157,12 +157,14 @@ class StudyStore:
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
-        with self.lock():  # creating the tables of a new store must not race another process
+        def open_study() -> None:  # creating the tables of a new store must not race another process
             self._storage = self.call(open_storage, url, create)
             if create:
                 self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
                                        sampler=sampler, pruner=pruner, load_if_exists=True,
                                        direction=scenario.objective.direction)
+
+        self.locked(open_study)
         if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
