@@ -121,7 +121,7 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
-        if isinstance(exc, _transient_errors()) and _SERVER_RESTARTING.search(str(exc)):
+        if isinstance(exc, _transient_errors()) and _server_restarting(exc):
             raise  # the caller's Retrying waits for the server
         raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
 
@@ -230,6 +230,16 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
 
     return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError,
             sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError, OSError)
+
+
+def _server_restarting(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an error under it says the server is restarting or shutting down
+    (Optuna wraps a driver's error that ends a commit in its own)."""
+    while exc is not None:
+        if _SERVER_RESTARTING.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -86,9 +86,14 @@ def test_a_server_restarting_while_the_store_opens_is_an_outage(monkeypatch: pyt
 
     def restarting(url: str, **kwargs: Any) -> RDBStorage:
         attempts.append(url)
-        if len(attempts) <= 2:  # this test's call, then Retrying's first attempt
+        if len(attempts) == 1:  # this test's call
             raise sqlalchemy.exc.OperationalError(
                 "SELECT 1", None, Exception("terminating connection due to administrator command"))
+        if len(attempts) == 2:  # Retrying's first attempt: Optuna wraps what ended its commit
+            try:
+                raise sqlalchemy.exc.OperationalError("COMMIT", None, Exception("the database system is shutting down"))
+            except sqlalchemy.exc.OperationalError as exc:
+                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
         return real(url, **kwargs)
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", restarting)
