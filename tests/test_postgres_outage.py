@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,7 +115,10 @@ def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path)
     assert _pg("pg_ctlcluster", server, CLUSTER, "start").returncode == 0
     out, _ = run.communicate(timeout=180)
     assert run.returncode == 0, out
-    assert f"{TRIALS}/{TRIALS} trials done: {TRIALS} complete." in out
+    # A copy of a design point queued by a worker whose lock the restart ended unseen is
+    # withdrawn, never run (INTERRUPTED); assert_every_point_once checks that none ran twice.
+    assert re.search(rf"{TRIALS}/{TRIALS} trials done: {TRIALS} complete"
+                     r"(; also \d+ interrupted \(not their fault: run again\))?\.", out), out
     logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
     assert "is not answering" in logs and "the store answers again" in logs
     assert "judged lost" not in logs

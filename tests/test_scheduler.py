@@ -75,6 +75,47 @@ def test_a_design_point_whose_trial_was_lost_runs_again_exactly_once(tmp_path: P
     assert budget_used(rows) == 3
 
 
+def test_a_design_point_queued_twice_runs_once(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Two copies of point 0 in the queue, as a worker whose ask lock was lost unseen in an
+    outage can leave: the second copy is recorded INTERRUPTED, never run, and every point
+    runs exactly once within the budget."""
+    scheduler = make(tmp_path, write_scenario, trials=3)
+    store = scheduler.store
+    points = designs.design_points(store.scenario) or []
+    with store.lock():
+        for _ in range(2):
+            store.enqueue(points[0], {"design_index": 0})
+    ran = []
+    while True:
+        with store.lock():
+            c = scheduler.claim(set())
+        if c is None:
+            break
+        assert isinstance(c, Claim)
+        ran.append(c.params)
+        complete(scheduler, c)
+    assert ran == points
+    rows = store.rows()
+    assert [(r.number, r.design_index, r.outcome) for r in rows] == [
+        (0, 0, Outcome.COMPLETE), (1, 0, Outcome.INTERRUPTED), (2, 1, Outcome.COMPLETE), (3, 2, Outcome.COMPLETE)]
+    assert rows[1].reason == "not run: its design point was queued twice in a store outage, and trial 0 runs it"
+    assert budget_used(rows) == 3
+
+
+def test_a_requeued_copy_runs_while_its_lost_original_is_being_ended(tmp_path: Path,
+                                                                      write_scenario: WriteScenario) -> None:
+    """A lost trial's configuration is queued before the trial is recorded LOST; a worker
+    that claims the copy in between runs it: the original is no twin of its own copy."""
+    scheduler = make(tmp_path, write_scenario, trials=2)
+    store = scheduler.store
+    original = claim(scheduler)
+    rows = store.rows()
+    with store.lock():
+        assert requeue(store, rows[0], rows)
+    copy = claim(scheduler, {original.number})
+    assert (copy.number, copy.params) == (1, original.params)
+
+
 def test_the_budget_waits_for_other_workers_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario, method="tpe", trials=2)
     first, second = claim(scheduler), claim(scheduler)
