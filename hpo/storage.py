@@ -72,9 +72,11 @@ def local_path(url: str) -> Path | None:
 
 _CREATE_ATTEMPTS = 5
 _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate key value", re.IGNORECASE)
-# A server that is restarting or shutting down (PostgreSQL's SQLSTATE class 57P) answers a
-# good URL: opening the store again later succeeds, so it is an outage, not bad input.
+# A server that is restarting or shutting down (PostgreSQL's SQLSTATE class 57P, or a session
+# it ends as it goes) answers a good URL: opening the store again later succeeds, so it is an
+# outage, not bad input. A refused connection stays bad input: it is also what a wrong port gets.
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
+                                r"server closed the connection unexpectedly|"
                                 r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
 
 
