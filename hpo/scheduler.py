@@ -121,13 +121,12 @@ class Scheduler:
                 point = self._design[index]
                 store.enqueue(space.searched(store.scenario.parameters, point), {ATTR_DESIGN_INDEX: index})
         trial = store.ask(queued_only=self._design is not None)
-        if self._design is not None:
-            twin = self._twin(trial.number)
-            if twin is not None:
-                store.record(trial.number, TrialResult(
-                    Outcome.INTERRUPTED, reason=f"not run: its design point was queued twice in a store outage, "
-                                                f"and trial {twin} runs it"), trial_folder(self._workdir, trial.number))
-                return self.claim(mine)
+        twin = self._twin(trial)
+        if twin is not None:
+            store.record(trial.number, TrialResult(
+                Outcome.INTERRUPTED, reason=f"not run: it was queued twice in a store outage, and trial {twin} runs it"),
+                trial_folder(self._workdir, trial.number))
+            return self.claim(mine)
         return self._claimed(trial, None)
 
     def _claimed(self, trial: optuna.Trial, seed: int | None) -> Claim:
@@ -150,20 +149,22 @@ class Scheduler:
                      if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
         return dataclasses.replace(self._claimed(store.claim_waiting(queued), seed), prunable=False)
 
-    def _twin(self, number: int) -> int | None:
-        """A trial numbered below queued trial ``number`` that covers the same design point
-        (runs, waits, or ran to its own end), read after the claim; None if there is none.
+    def _twin(self, trial: optuna.Trial) -> int | None:
+        """A trial numbered below the claimed queued ``trial`` that covers what it was queued
+        for (the same design point, else the same lost or failed trial's configuration) and
+        runs, waits or ran to its own end, read after the claim; None if there is none.
 
-        Two copies of one point exist only when a worker queued it while its ask lock had
-        been lost in an outage unseen: the higher-numbered copy must not run, whatever the
-        interleaving. The trial ``number`` was requeued from is no twin: it is being ended."""
-        rows = self.store.rows()
-        queued = next(r for r in rows if r.number == number)
-        if queued.design_index is None:
+        Two copies exist only when a worker queued one while its ask lock had been lost in an
+        outage unseen: the higher-numbered copy must not run, whatever the interleaving. The
+        trial a copy was requeued from is no twin: it is being ended."""
+        attrs = trial.user_attrs
+        index, origin = attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF)
+        if index is None and origin is None:
             return None
+        rows = self.store.rows()
         superseded = {r.retry_of for r in rows if r.retry_of is not None}
-        return next((r.number for r in rows if r.number < number and r.design_index == queued.design_index
-                     and r.number not in superseded and r.number != queued.requeue_of
+        return next((r.number for r in rows if r.number < trial.number and r.number not in superseded
+                     and r.number != origin and (r.design_index == index if index is not None else r.requeue_of == origin)
                      and (r.outcome.own or not r.outcome.ended)), None)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hpo import designs
+from hpo import designs, space
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import budget_used
 from hpo.scenario import load_scenario
@@ -98,8 +98,28 @@ def test_a_design_point_queued_twice_runs_once(tmp_path: Path, write_scenario: W
     rows = store.rows()
     assert [(r.number, r.design_index, r.outcome) for r in rows] == [
         (0, 0, Outcome.COMPLETE), (1, 0, Outcome.INTERRUPTED), (2, 1, Outcome.COMPLETE), (3, 2, Outcome.COMPLETE)]
-    assert rows[1].reason == "not run: its design point was queued twice in a store outage, and trial 0 runs it"
+    assert rows[1].reason == "not run: it was queued twice in a store outage, and trial 0 runs it"
     assert budget_used(rows) == 3
+
+
+def test_a_lost_configuration_queued_twice_runs_once(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Two copies of a lost trial's configuration in the queue of a model-based sweep: the
+    first runs, the second is recorded INTERRUPTED, never run, and the sampler proposes next."""
+    scheduler = make(tmp_path, write_scenario, method="tpe", trials=3)
+    store = scheduler.store
+    first = claim(scheduler)
+    rows = store.rows()
+    with store.lock():
+        assert requeue(store, rows[0], rows)
+        store.enqueue(space.searched(store.scenario.parameters, first.params), {"requeue_of": first.number})
+    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
+    copy = claim(scheduler)
+    assert (copy.number, copy.params) == (1, first.params)
+    proposed = claim(scheduler, {copy.number})
+    assert proposed.number == 3 and proposed.params != first.params
+    rows = store.rows()
+    assert [r.outcome for r in rows[::2]] == [Outcome.LOST, Outcome.INTERRUPTED] and rows[2].requeue_of == 0
+    assert not rows[1].outcome.ended and not rows[3].outcome.ended
 
 
 def test_a_requeued_copy_runs_while_its_lost_original_is_being_ended(tmp_path: Path,
