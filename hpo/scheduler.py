@@ -29,7 +29,7 @@ from hpo import space
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
-from hpo.rows import TrialRow, budget_used
+from hpo.rows import TrialRow, budget_used, superseded
 from hpo.store import (
     ATTR_DESIGN_INDEX,
     ATTR_LOST_COUNT,
@@ -162,15 +162,18 @@ class Scheduler:
         if index is None and origin is None:
             return None
         rows = self.store.rows()
-        superseded = {r.retry_of for r in rows if r.retry_of is not None}
-        return next((r.number for r in rows if r.number < trial.number and r.number not in superseded
-                     and r.number != origin and (r.design_index == index if index is not None else r.requeue_of == origin)
-                     and (r.outcome.own or not r.outcome.ended)), None)
+        retried = superseded(rows)
+
+        def same(row: TrialRow) -> bool:
+            return row.design_index == index if index is not None else row.requeue_of == origin
+
+        return next((r.number for r in rows if r.number < trial.number and same(r) and r.number != origin
+                     and r.number not in retried and (r.outcome.own or not r.outcome.ended)), None)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
         """The first design point that no trial covers (ran to its own end, runs or waits)."""
-        superseded = {r.retry_of for r in rows if r.retry_of is not None}
-        covered = {r.design_index for r in rows if r.design_index is not None and r.number not in superseded
+        retried = superseded(rows)
+        covered = {r.design_index for r in rows if r.design_index is not None and r.number not in retried
                    and (r.outcome.own or not r.outcome.ended)}
         assert self._design is not None
         return next((i for i in range(len(self._design)) if i not in covered), None)
