@@ -75,6 +75,8 @@ _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate ke
 # A server that is restarting or shutting down (PostgreSQL's SQLSTATE class 57P, or a session
 # it ends as it goes) answers a good URL: opening the store again later succeeds, so it is an
 # outage, not bad input. A refused connection stays bad input: it is also what a wrong port gets.
+# Opening with ``create``, the server answered the tables' creation before any commit Optuna
+# wraps (StorageInternalError) can fail, so such a failure is an outage too, whatever its cause.
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
                                 r"server closed the connection unexpectedly|"
                                 r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
@@ -123,7 +125,8 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                          f"pip install 'hpo[postgres]' for PostgreSQL") from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
-        if isinstance(exc, _transient_errors()) and _server_restarting(exc):
+        if isinstance(exc, _transient_errors()) and (_server_restarting(exc) or (
+                create and isinstance(exc, optuna.exceptions.StorageInternalError))):
             raise  # the caller's Retrying waits for the server
         raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
 

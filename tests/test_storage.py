@@ -105,6 +105,24 @@ def test_a_server_restarting_while_the_store_opens_is_an_outage(monkeypatch: pyt
     assert len(attempts) == 3 and messages[-1].startswith("the store answers again")
 
 
+@pytest.mark.parametrize("create", [True, False], ids=["creating", "reading"])
+def test_a_commit_cut_short_while_the_store_is_created_is_an_outage(monkeypatch: pytest.MonkeyPatch,
+                                                                    create: bool) -> None:
+    """Opening with ``create``, the server answered the tables' creation before a commit could
+    fail, so a commit Optuna reports failed, whatever the driver said under it, is retried; a
+    reader's open makes no such first contact, so there it stays bad input."""
+    def cut_short(url: str, **kwargs: Any) -> RDBStorage:
+        try:
+            raise sqlalchemy.exc.OperationalError("INSERT", None, Exception("connection failed: Connection refused"))
+        except sqlalchemy.exc.OperationalError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", cut_short)
+    expected = optuna.exceptions.StorageInternalError if create else InputError
+    with pytest.raises(expected):
+        open_storage("postgresql://u:pw@127.0.0.1:1/db", create)
+
+
 def _hold_lock(url: str, held: Any, release: Any) -> None:
     """In another process: take the ask lock, say so, and keep it until told to let go."""
     with ask_lock(url):
