@@ -82,18 +82,17 @@ def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
     return pick(done, key=lambda r: r.value)  # type: ignore[arg-type, return-value]
 
 
-def superseded(rows: list[TrialRow]) -> set[int]:
-    """The numbers of the failed trials that were retried (``search.retry_failed``): their
-    copy stands for them."""
-    return {r.retry_of for r in rows if r.retry_of is not None}
+def standing(rows: list[TrialRow]) -> list[TrialRow]:
+    """The rows that stand for their configuration: they ended on their own merits, run or
+    wait, and are not failures that were retried (``search.retry_failed``: the copy stands)."""
+    retried = {r.retry_of for r in rows if r.retry_of is not None}
+    return [r for r in rows if r.number not in retried and (r.outcome.own or not r.outcome.ended)]
 
 
 def budget_used(rows: list[TrialRow]) -> int:
-    """How much of ``search.trials`` the rows use: trials that ended on their own merits,
-    run or wait, except failed trials that were retried and reruns (see :mod:`hpo.scheduler`)."""
-    retried = superseded(rows)
-    return sum(1 for r in rows if r.rerun_of is None and r.number not in retried
-               and (r.outcome.own or not r.outcome.ended))
+    """How much of ``search.trials`` the rows use: the standing trials but reruns (see
+    :mod:`hpo.scheduler`)."""
+    return sum(1 for r in standing(rows) if r.rerun_of is None)
 
 
 def presented(raw: list[TrialRow], parameters: Mapping[str, Param]) -> list[TrialRow]:

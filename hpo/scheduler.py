@@ -29,7 +29,7 @@ from hpo import space
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
-from hpo.rows import TrialRow, budget_used, superseded
+from hpo.rows import TrialRow, budget_used, standing
 from hpo.store import (
     ATTR_DESIGN_INDEX,
     ATTR_LOST_COUNT,
@@ -150,9 +150,9 @@ class Scheduler:
         return dataclasses.replace(self._claimed(store.claim_waiting(queued), seed), prunable=False)
 
     def _twin(self, trial: optuna.Trial) -> int | None:
-        """A trial numbered below the claimed queued ``trial`` that covers what it was queued
-        for (the same design point, else the same lost or failed trial's configuration) and
-        runs, waits or ran to its own end, read after the claim; None if there is none.
+        """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued
+        ``trial`` that covers what it was queued for (the same design point, else the same lost
+        or failed trial's configuration), read after the claim; None if there is none.
 
         Two copies exist only when a worker queued one while its ask lock had been lost in an
         outage unseen: the higher-numbered copy must not run, whatever the interleaving. The
@@ -161,20 +161,16 @@ class Scheduler:
         index, origin = attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF)
         if index is None and origin is None:
             return None
-        rows = self.store.rows()
-        retried = superseded(rows)
 
         def same(row: TrialRow) -> bool:
             return row.design_index == index if index is not None else row.requeue_of == origin
 
-        return next((r.number for r in rows if r.number < trial.number and same(r) and r.number != origin
-                     and r.number not in retried and (r.outcome.own or not r.outcome.ended)), None)
+        return next((r.number for r in standing(self.store.rows())
+                     if r.number < trial.number and same(r) and r.number != origin), None)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
-        """The first design point that no trial covers (ran to its own end, runs or waits)."""
-        retried = superseded(rows)
-        covered = {r.design_index for r in rows if r.design_index is not None and r.number not in retried
-                   and (r.outcome.own or not r.outcome.ended)}
+        """The first design point that no standing trial (:func:`hpo.rows.standing`) covers."""
+        covered = {r.design_index for r in standing(rows) if r.design_index is not None}
         assert self._design is not None
         return next((i for i in range(len(self._design)) if i not in covered), None)
 
