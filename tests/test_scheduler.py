@@ -38,6 +38,19 @@ def complete(scheduler: Scheduler, c: Claim, value: float = 0.5) -> None:
     assert scheduler.settle(c, TrialResult(Outcome.COMPLETE, value, {"test_error": value}))
 
 
+def run_to_end(scheduler: Scheduler) -> list[dict[str, Any]]:
+    """Claim and complete trials until the scheduler has none left; their parameters, in order."""
+    ran = []
+    while True:
+        with scheduler.store.lock():
+            c = scheduler.claim(set())
+        if c is None:
+            return ran
+        assert isinstance(c, Claim)
+        ran.append(c.params)
+        complete(scheduler, c)
+
+
 def test_a_design_runs_its_points_in_order_then_stops(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
     points = designs.design_points(scheduler.store.scenario)
@@ -59,15 +72,7 @@ def test_a_design_point_whose_trial_was_lost_runs_again_exactly_once(tmp_path: P
     store = scheduler.store
     store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
     assert scheduler.settle(second, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
-    seen = []
-    while True:
-        with store.lock():
-            c = scheduler.claim(set())
-        if c is None:
-            break
-        assert isinstance(c, Claim)
-        seen.append(c.params["x"])
-        complete(scheduler, c)
+    run_to_end(scheduler)
     rows = store.rows()
     points = [p["x"] for p in designs.design_points(store.scenario) or []]
     done = [r for r in rows if r.outcome is Outcome.COMPLETE]
@@ -85,16 +90,7 @@ def test_a_design_point_queued_twice_runs_once(tmp_path: Path, write_scenario: W
     with store.lock():
         for _ in range(2):
             store.enqueue(points[0], {"design_index": 0})
-    ran = []
-    while True:
-        with store.lock():
-            c = scheduler.claim(set())
-        if c is None:
-            break
-        assert isinstance(c, Claim)
-        ran.append(c.params)
-        complete(scheduler, c)
-    assert ran == points
+    assert run_to_end(scheduler) == points
     rows = store.rows()
     assert [(r.number, r.design_index, r.outcome) for r in rows] == [
         (0, 0, Outcome.COMPLETE), (1, 0, Outcome.INTERRUPTED), (2, 1, Outcome.COMPLETE), (3, 2, Outcome.COMPLETE)]

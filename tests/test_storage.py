@@ -78,6 +78,16 @@ def test_bad_url_is_an_input_error() -> None:
         open_storage("nosuchdb://x")
 
 
+def commit_failed(driver_says: str) -> optuna.exceptions.StorageInternalError:
+    """Optuna's error for a commit the driver ended saying ``driver_says``, cause attached."""
+    try:
+        raise sqlalchemy.exc.OperationalError("COMMIT", None, Exception(driver_says))
+    except sqlalchemy.exc.OperationalError as exc:
+        wrapped = optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+        wrapped.__cause__ = exc
+        return wrapped
+
+
 def test_a_server_restarting_while_the_store_opens_is_an_outage(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
     """PostgreSQL ends new sessions while it restarts: that is retried, not a bad --storage."""
@@ -90,10 +100,7 @@ def test_a_server_restarting_while_the_store_opens_is_an_outage(monkeypatch: pyt
             raise sqlalchemy.exc.OperationalError(
                 "SELECT 1", None, Exception("terminating connection due to administrator command"))
         if len(attempts) == 2:  # Retrying's first attempt: Optuna wraps what ended its commit
-            try:
-                raise sqlalchemy.exc.OperationalError("COMMIT", None, Exception("the database system is shutting down"))
-            except sqlalchemy.exc.OperationalError as exc:
-                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+            raise commit_failed("the database system is shutting down")
         return real(url, **kwargs)
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", restarting)
@@ -112,10 +119,7 @@ def test_a_commit_cut_short_while_the_store_is_created_is_an_outage(monkeypatch:
     fail, so a commit Optuna reports failed, whatever the driver said under it, is retried; a
     reader's open makes no such first contact, so there it stays bad input."""
     def cut_short(url: str, **kwargs: Any) -> RDBStorage:
-        try:
-            raise sqlalchemy.exc.OperationalError("INSERT", None, Exception("connection failed: Connection refused"))
-        except sqlalchemy.exc.OperationalError as exc:
-            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+        raise commit_failed("connection failed: Connection refused")
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", cut_short)
     expected = optuna.exceptions.StorageInternalError if create else InputError
