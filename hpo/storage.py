@@ -74,9 +74,14 @@ _CREATE_ATTEMPTS = 5
 _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate key value", re.IGNORECASE)
 # A server that is restarting or shutting down (PostgreSQL's SQLSTATE class 57P, or a session
 # it ends as it goes) answers a good URL: opening the store again later succeeds, so it is an
-# outage, not bad input. A refused connection stays bad input: it is also what a wrong port gets.
+# outage, not bad input. A refused connection is what a wrong port gets, and also what a
+# restarting server answers between its stop and its start (well under a second): it is tried
+# again for REFUSED_GRACE_S before it is bad input. A process tells the two apart at its first
+# contact (reach), before its store calls are retried.
 # Opening with ``create``, the server answered the tables' creation before any commit Optuna
 # wraps (StorageInternalError) can fail, so such a failure is an outage too, whatever its cause.
+REFUSED_GRACE_S = 3.0
+_REFUSED = re.compile(r"Connection refused", re.IGNORECASE)
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
                                 r"server closed the connection unexpectedly|"
                                 r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
@@ -91,7 +96,9 @@ def check_url(url: str) -> None:
 
 def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     """Open the storage at ``url``, creating its tables when ``create`` (else it must have
-    them: a reader skips Optuna's schema checks); a bad URL is an InputError."""
+    them: a reader skips Optuna's schema checks); a bad URL is an InputError. A refused
+    connection is tried again for ``REFUSED_GRACE_S`` seconds first (a server restarts), and
+    a server that is restarting raises its error for the caller's :class:`Retrying`."""
     import optuna  # imported when a store is opened: commands that answer from the row cache never need it
 
     check_url(url)
@@ -110,25 +117,72 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         kwargs["connect_args"] = {"timeout": SQLITE_TIMEOUT_S, "factory": _SQLiteConnection}
     else:
         kwargs["pool_pre_ping"] = True
-    try:
-        for attempt in range(_CREATE_ATTEMPTS):
+
+    def rdb_storage() -> optuna.storages.RDBStorage:
+        attempt = 0
+        while True:
             try:
                 return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
                                                   skip_table_creation=not create)
             except Exception as exc:
                 # Another process (a second worker, optuna-dashboard) created the schema between
                 # SQLAlchemy's check and its CREATE or INSERT: it exists now, so open again.
-                if not (create and _CREATE_RACE.search(str(exc))) or attempt == _CREATE_ATTEMPTS - 1:
+                attempt += 1
+                if not (create and _CREATE_RACE.search(str(exc))) or attempt == _CREATE_ATTEMPTS:
                     raise
-                time.sleep(0.1 * (attempt + 1))
+                time.sleep(0.1 * attempt)
+
+    try:
+        return _while_refused(rdb_storage)
     except ImportError as exc:
-        raise InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
-                         f"pip install 'hpo[postgres]' for PostgreSQL") from None
+        raise _missing_driver(url, exc) from None
     except Exception as exc:  # SQLAlchemy raises many kinds for a bad URL or server
         if isinstance(exc, _transient_errors()) and (_server_restarting(exc) or (
                 create and isinstance(exc, optuna.exceptions.StorageInternalError))):
             raise  # the caller's Retrying waits for the server
         raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
+
+
+def reach(url: str) -> None:
+    """Connect once to the server at ``url`` (nothing to do for a file), so that bad input is
+    told apart from an outage before any store call is retried: a refused connection (past
+    ``REFUSED_GRACE_S``), a wrong password, a missing database or driver is an InputError
+    naming ``--storage``; a server that is restarting is left to the caller's :class:`Retrying`."""
+    if local_path(url) is not None:
+        return
+    check_url(url)
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
+    except ImportError as exc:
+        raise _missing_driver(url, exc) from None
+    try:
+        _while_refused(lambda: engine.connect().close())
+    except Exception as exc:
+        if isinstance(exc, _transient_errors()) and _server_restarting(exc):
+            return
+        hint = " (is a server running there?)" if _refused(exc) else ""
+        raise InputError(f"--storage: cannot open {redact(url)}: {_root_cause(exc)}{hint}") from None
+    finally:
+        engine.dispose()
+
+
+def _while_refused(fn: Callable[[], T]) -> T:
+    """``fn()``, called again while it fails on a refused connection, for ``REFUSED_GRACE_S``."""
+    until = time.monotonic() + REFUSED_GRACE_S
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not _refused(exc) or time.monotonic() >= until:
+                raise
+            time.sleep(0.25)
+
+
+def _missing_driver(url: str, exc: ImportError) -> InputError:
+    return InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
+                      f"pip install 'hpo[postgres]' for PostgreSQL")
 
 
 class _SQLiteConnection(sqlite3.Connection):
@@ -240,8 +294,18 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
 def _server_restarting(exc: BaseException | None) -> bool:
     """Whether ``exc`` or an error under it says the server is restarting or shutting down
     (Optuna wraps a driver's error that ends a commit in its own)."""
+    return _said(exc, _SERVER_RESTARTING)
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an error under it says nothing listens where the URL points."""
+    return _said(exc, _REFUSED)
+
+
+def _said(exc: BaseException | None, words: re.Pattern[str]) -> bool:
+    """Whether ``exc`` or an error in its cause chain has ``words`` in its message."""
     while exc is not None:
-        if _SERVER_RESTARTING.search(str(exc)):
+        if words.search(str(exc)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -38,7 +38,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
-from hpo.storage import LockLost, Retrying, ask_lock, local_path, open_storage
+from hpo.storage import LockLost, Retrying, ask_lock, local_path, open_storage, reach
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
@@ -164,6 +164,7 @@ class StudyStore:
                                        sampler=sampler, pruner=pruner, load_if_exists=True,
                                        direction=scenario.objective.direction)
 
+        reach(url)  # bad input fails here; past it, what fails is an outage and is retried
         self.locked(open_study)
         if not create:
             try:

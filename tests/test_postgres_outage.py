@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env
 
+import hpo.storage
 from hpo import designs
 from hpo.scenario import load_scenario
 
@@ -142,3 +144,20 @@ def test_an_outage_past_store_retry_stops_with_one_line_and_resumes(server: str,
                            capture_output=True, text=True, timeout=180, check=False)
     assert again.returncode == 0, again.stdout + again.stderr
     assert_every_point_once(path)
+
+
+def test_a_process_that_starts_while_the_server_is_down_for_a_moment_waits_for_it(
+        server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a restart's stop and its start the server refuses connections, as at a wrong
+    port: a process's first contact waits out the grace before it calls that bad input."""
+    monkeypatch.setattr(hpo.storage, "REFUSED_GRACE_S", 60.0)
+    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    starter = threading.Timer(1.0, _pg, ("pg_ctlcluster", server, CLUSTER, "start"))
+    starter.start()
+    try:
+        began = time.monotonic()
+        hpo.storage.reach(URL)
+        assert time.monotonic() - began >= 0.9
+    finally:
+        starter.join()
+    assert "accepting connections" in _pg("pg_isready", "-p", str(PORT)).stdout

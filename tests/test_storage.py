@@ -14,11 +14,13 @@ import pytest
 import sqlalchemy
 from optuna.storages import JournalStorage, RDBStorage
 
+import hpo.storage
 from hpo.errors import InputError, StoreUnavailable
 from hpo.scenario import load_scenario
-from hpo.storage import Retrying, ask_lock, check_url, open_storage, optuna_url, storage_url
+from hpo.storage import Retrying, ask_lock, check_url, open_storage, optuna_url, reach, storage_url
 
 WriteScenario = Callable[..., Path]
+POSTGRES = os.environ.get("HPO_TEST_POSTGRES_URL")
 
 
 @pytest.fixture(params=["sqlite", "journal"])
@@ -122,9 +124,55 @@ def test_a_commit_cut_short_while_the_store_is_created_is_an_outage(monkeypatch:
         raise commit_failed("connection failed: Connection refused")
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", cut_short)
+    monkeypatch.setattr(hpo.storage, "REFUSED_GRACE_S", 0.0)
     expected = optuna.exceptions.StorageInternalError if create else InputError
     with pytest.raises(expected):
         open_storage("postgresql://u:pw@127.0.0.1:1/db", create)
+
+
+def test_a_server_that_refuses_for_a_moment_is_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A restarting server refuses connections between its stop and its start: the open is
+    tried again within the grace, so a worker that starts then does not exit on bad input."""
+    real = RDBStorage
+    attempts: list[float] = []
+
+    def restarting(url: str, **kwargs: Any) -> RDBStorage:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise sqlalchemy.exc.OperationalError(
+                "SELECT 1", None, Exception('connection to server at "127.0.0.1", port 5433 failed: Connection refused'))
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", restarting)
+    assert isinstance(open_storage(f"sqlite:///{tmp_path}/study.db"), real)
+    assert len(attempts) == 3
+
+
+def test_a_port_where_nothing_listens_is_bad_input_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first contact tells a wrong port from an outage: nothing answers within the grace."""
+    monkeypatch.setattr(hpo.storage, "REFUSED_GRACE_S", 0.5)
+    began = time.monotonic()
+    with pytest.raises(InputError, match=r"^--storage: cannot open postgresql://u:\*\*\*@127\.0\.0\.1:1/db: "
+                                         r".*Connection refused \(is a server running there\?\)$"):
+        reach("postgresql://u:pw@127.0.0.1:1/db")
+    assert time.monotonic() - began >= 0.5
+
+
+@pytest.mark.skipif(not POSTGRES, reason="HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+@pytest.mark.parametrize("wrong", ["password", "database"])
+def test_a_wrong_password_or_database_is_bad_input_at_once(wrong: str) -> None:
+    url = sqlalchemy.make_url(POSTGRES)
+    url = url.set(password="not-the-password") if wrong == "password" else url.set(database="no_such_database")
+    began = time.monotonic()
+    with pytest.raises(InputError, match=r"^--storage: cannot open postgresql://.*(password authentication failed|"
+                                         r"database \"no_such_database\" does not exist)"):
+        reach(url.render_as_string(hide_password=False))
+    assert time.monotonic() - began < hpo.storage.REFUSED_GRACE_S
+
+
+def test_a_file_store_needs_no_first_contact(tmp_path: Path) -> None:
+    reach(f"sqlite:///{tmp_path}/nothing-yet.db")
+    assert not (tmp_path / "nothing-yet.db").exists()
 
 
 def _hold_lock(url: str, held: Any, release: Any) -> None:
