@@ -82,6 +82,7 @@ _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate ke
 # wraps (StorageInternalError) can fail, so such a failure is an outage too, whatever its cause.
 REFUSED_GRACE_S = 3.0
 _REFUSED = re.compile(r"Connection refused", re.IGNORECASE)
+_NO_TABLES = re.compile(r'relation "\w+" does not exist|no such table|Table \S+ doesn\'t exist', re.IGNORECASE)
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
                                 r"server closed the connection unexpectedly|"
                                 r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
@@ -140,17 +141,24 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         if isinstance(exc, _transient_errors()) and (_server_restarting(exc) or (
                 create and isinstance(exc, optuna.exceptions.StorageInternalError))):
             raise  # the caller's Retrying waits for the server
-        raise InputError(f"--storage: cannot open {redact(url)}: {str(exc).splitlines()[0]}") from None
+        if not create and _said(exc, _NO_TABLES):
+            raise InputError(f"--storage: {redact(url)} holds no study (it has no Optuna tables): "
+                             f"run `hpo run` first") from None
+        raise InputError(f"--storage: cannot open {redact(url)}: {_root_cause(exc)}") from None
 
 
 def reach(url: str) -> None:
-    """Connect once to the server at ``url`` (nothing to do for a file), so that bad input is
-    told apart from an outage before any store call is retried: a refused connection (past
-    ``REFUSED_GRACE_S``), a wrong password, a missing database or driver is an InputError
-    naming ``--storage``; a server that is restarting is left to the caller's :class:`Retrying`."""
-    if local_path(url) is not None:
-        return
+    """Make first contact with the store at ``url``, so that bad input is told apart from an
+    outage before any store call is retried. An InputError naming ``--storage``: for a server,
+    a refused connection (past ``REFUSED_GRACE_S``), a wrong password, a missing database or
+    driver; for a file, a folder in its place or one that cannot be created, or a file that
+    cannot be opened (a writer's file and folders are created here). A server that is
+    restarting is left to the caller's :class:`Retrying`."""
     check_url(url)
+    local = local_path(url)
+    if local is not None:
+        _reach_file(local, sqlite=sqlite_path(url) is not None)
+        return
     import sqlalchemy
 
     try:
@@ -166,6 +174,26 @@ def reach(url: str) -> None:
         raise InputError(f"--storage: cannot open {redact(url)}: {_root_cause(exc)}{hint}") from None
     finally:
         engine.dispose()
+
+
+def _reach_file(path: Path, *, sqlite: bool) -> None:
+    if path.is_dir():
+        example = path / ("study.db" if sqlite else "study.log")
+        raise InputError(f"--storage: {path} is a folder; name a file in it, e.g. {example}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((folder for folder in reversed(path.parents) if folder.exists() and not folder.is_dir()), None)
+        why = f"{blocker} is a file" if blocker else exc.strerror
+        raise InputError(f"--storage: cannot create the folder {path.parent}: {why}") from None
+    try:
+        if sqlite:
+            with contextlib.closing(sqlite3.connect(path, timeout=SQLITE_TIMEOUT_S)) as conn:
+                conn.execute("PRAGMA schema_version")  # reads the header: is it a database?
+        else:
+            path.open("a").close()
+    except (OSError, sqlite3.Error) as exc:
+        raise InputError(f"--storage: cannot open {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _while_refused(fn: Callable[[], T]) -> T:

@@ -1,8 +1,10 @@
 """Where a study lives: storage URLs, opening storages, the ask lock, and riding out outages."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -170,9 +172,19 @@ def test_a_wrong_password_or_database_is_bad_input_at_once(wrong: str) -> None:
     assert time.monotonic() - began < hpo.storage.REFUSED_GRACE_S
 
 
-def test_a_file_store_needs_no_first_contact(tmp_path: Path) -> None:
-    reach(f"sqlite:///{tmp_path}/nothing-yet.db")
-    assert not (tmp_path / "nothing-yet.db").exists()
+def test_first_contact_with_a_file_store_creates_its_folder_and_file(tmp_path: Path, url: str) -> None:
+    reach(url)
+    assert (tmp_path / "db").is_dir() and [path.name for path in (tmp_path / "db").iterdir()] == [url.split("/")[-1]]
+
+
+def test_a_database_without_optunas_tables_holds_no_study(tmp_path: Path) -> None:
+    with contextlib.closing(sqlite3.connect(tmp_path / "other.db")) as conn:
+        conn.execute("CREATE TABLE notes (text)")
+        conn.commit()
+    url = f"sqlite:///{tmp_path}/other.db"
+    with pytest.raises(InputError, match=r"^--storage: sqlite:///.*/other\.db holds no study \(it has no Optuna "
+                                         r"tables\): run `hpo run` first$"):
+        open_storage(url, create=False)
 
 
 def _hold_lock(url: str, held: Any, release: Any) -> None:
