@@ -26,6 +26,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder
 from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue
+from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
 STALE_AFTER_BEATS = 3
@@ -59,16 +60,29 @@ def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: 
     return beat is None or now - float(beat) > STALE_AFTER_BEATS * heartbeat_s
 
 
-def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int],
-                  judge_beats: bool = True) -> list[int]:
+def judges_beats(healthy_since: float | None, now: float, heartbeat_s: float) -> bool:
+    """Whether heartbeats can be judged at ``now`` (``time.monotonic()``), the store having
+    answered this worker since ``healthy_since`` (None: it does not answer now).
+
+    Another worker's threads may still be pausing between tries for up to
+    :data:`hpo.storage.MAX_PAUSE_S` after this one's store came back, and its next beat is then
+    up to one interval away; so ``STALE_AFTER_BEATS`` intervals are counted from that moment.
+    """
+    return healthy_since is not None and now - healthy_since > MAX_PAUSE_S + STALE_AFTER_BEATS * heartbeat_s
+
+
+def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int]) -> list[int]:
     """Deal with every stale running trial (see the module docstring); return their numbers.
 
     Call under the store's ask lock, so that two workers do not both re-run one trial.
+    Heartbeats are judged by :func:`judges_beats` once the running trials have been read, so
+    an outage that the read (or the lock before it) waited out counts.
     """
-    now = time.time()
     heartbeat_s = store.scenario.resources.heartbeat
-    stale = [t for t in store.trials(states=(TrialState.RUNNING,))
-             if is_stale(t, now, heartbeat_s, me, mine, judge_beats)]
+    running = store.trials(states=(TrialState.RUNNING,))
+    judge = judges_beats(store.call.healthy_since, time.monotonic(), heartbeat_s)
+    now = time.time()
+    stale = [t for t in running if is_stale(t, now, heartbeat_s, me, mine, judge)]
     if not stale:
         return []
     rows = store.rows()

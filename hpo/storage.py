@@ -379,6 +379,13 @@ class Retrying:
         with self._lock:
             return None if self._down_since is not None else self._up_since
 
+    def note_outage(self) -> None:
+        """Count an outage that no call saw as ended now (a lost lock shows one: a pool
+        reconnects unseen), for :attr:`healthy_since`."""
+        with self._lock:
+            if self._down_since is None:
+                self._up_since = time.monotonic()
+
     def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)``, retried through an outage (see the class docstring)."""
         start = time.monotonic()

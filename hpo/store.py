@@ -205,6 +205,7 @@ class StudyStore:
                 with self.lock(claimed):
                     return section()
             except LockLost:
+                self.call.note_outage()
                 self._on_outage("the store lost this worker's ask lock in the outage: taking it again "
                                 "and doing over what it was held for")
                 for number in claimed:  # never started: back in the queue for whoever is next

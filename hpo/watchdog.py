@@ -3,7 +3,8 @@
 Every second it reads the stop requests (``hpo stop``) of the trials this worker claimed;
 every ``resources.heartbeat`` seconds it beats their heartbeats and, under the ask lock,
 re-runs the trials of workers that are gone (:mod:`hpo.recovery`). After a store outage it
-judges no heartbeat until every worker has had time to beat again (:func:`judges_beats`),
+judges no heartbeat until every worker has had time to beat again
+(:func:`hpo.recovery.judges_beats`),
 since no worker could beat while the store was down.
 """
 from __future__ import annotations
@@ -14,22 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpo.errors import StoreUnavailable
-from hpo.recovery import STALE_AFTER_BEATS, recover_stale
-from hpo.storage import MAX_PAUSE_S
+from hpo.recovery import recover_stale
 from hpo.store import StudyStore
 
 WATCH_INTERVAL_S = 1.0
-
-
-def judges_beats(healthy_since: float | None, now: float, heartbeat_s: float) -> bool:
-    """Whether heartbeats can be judged at ``now`` (``time.monotonic()``), the store having
-    answered this worker since ``healthy_since`` (None: it does not answer now).
-
-    Another worker's threads may still be pausing between tries for up to
-    :data:`hpo.storage.MAX_PAUSE_S` after this one's store came back, and its next beat is then
-    up to one interval away; so ``STALE_AFTER_BEATS`` intervals are counted from that moment.
-    """
-    return healthy_since is not None and now - healthy_since > MAX_PAUSE_S + STALE_AFTER_BEATS * heartbeat_s
 
 
 class Watchdog:
@@ -87,6 +76,4 @@ class Watchdog:
             if beat:
                 store.beat(number)
         if beat:
-            judge = judges_beats(store.call.healthy_since, time.monotonic(), store.scenario.resources.heartbeat)
-            store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed()),
-                                               judge_beats=judge))
+            store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed())))

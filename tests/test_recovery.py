@@ -9,18 +9,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from hpo import designs
 from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
-from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, recover_stale
+from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
 from hpo.scheduler import HOST, Claim, Scheduler, worker_id
 from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
-from hpo.watchdog import judges_beats
 
 WriteScenario = Callable[..., Path]
 ME = worker_id()
@@ -90,6 +90,31 @@ def claim_as(scheduler: Scheduler, worker: str, started: bool) -> Claim:
 def recover(scheduler: Scheduler, tmp_path: Path) -> list[int]:
     with scheduler.store.lock():
         return recover_stale(scheduler.store, tmp_path / "w", ME, set())
+
+
+@pytest.mark.parametrize("outage", ["none", "while-reading", "lock-lost"])
+def test_no_heartbeat_is_judged_right_after_an_outage_that_the_recovery_waited_out(
+        tmp_path: Path, write_scenario: WriteScenario, monkeypatch: pytest.MonkeyPatch, outage: str) -> None:
+    """A trial whose worker (on another host) could not beat through an outage is not taken
+    for lost when the outage ended while the recovery read the running trials, or when it
+    showed only as a lost ask lock."""
+    scheduler = make(tmp_path, write_scenario)
+    store = scheduler.store
+    c = claim_as(scheduler, "elsewhere:12", started=True)
+    store.set_system(c.number, SYS_HEARTBEAT, time.time() - 10 * STALE_AFTER_BEATS)
+    if outage == "while-reading":
+        read = store.study.get_trials
+        failures = [sqlalchemy.exc.OperationalError("SELECT", None, Exception("server closed the connection"))]
+
+        def flaky(*args: object, **kwargs: object) -> object:
+            if failures:
+                raise failures.pop()
+            return read(*args, **kwargs)
+
+        monkeypatch.setattr(store.study, "get_trials", flaky)
+    elif outage == "lock-lost":
+        store.call.note_outage()
+    assert recover(scheduler, tmp_path) == ([c.number] if outage == "none" else [])
 
 
 def test_a_started_trial_of_a_dead_worker_is_lost_and_queued_again(tmp_path: Path,

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -175,9 +176,12 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
         raise sqlalchemy.exc.OperationalError("get_all_trials", None, Exception("terminating connection"))
 
     monkeypatch.setattr(storage, "_create_new_trial", create)
+    began = time.monotonic()
     claimed_by_a = a.store.locked(lambda: a.claim(set()))
     assert isinstance(claimed_by_a, Claim) and isinstance(claimed_by_b[0], Claim)
     assert (claimed_by_b[0].params, claimed_by_a.params) == ({"x": 0.1}, {"x": 0.2})
+    healthy_since = a.store.call.healthy_since  # the lost lock counts as an outage: no heartbeat judged yet
+    assert healthy_since is not None and healthy_since > began
     rows = a.store.rows()
     assert sorted((r.design_index, r.params["x"]) for r in rows) == [(0, 0.1), (1, 0.2)]
 
