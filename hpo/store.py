@@ -450,22 +450,25 @@ class StudyStore:
     def record(self, number: int, result: TrialResult, folder: Path | str) -> bool:
         """Record how trial ``number`` ended: attributes first, then the state (the commit).
 
-        Returns False, recording nothing more, when the trial had already ended: another
-        worker judged it lost (its result stays in its folder).
+        Returns False, recording nothing more, when the trial had already ended otherwise:
+        another worker judged it lost (its result stays in its folder). A trial found ended
+        as this result says was recorded by this very call: an outage cut the connection
+        after the server had committed the state, and the retry found it done.
         """
+        state = {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(
+            result.outcome, TrialState.FAIL)
         try:
             for key, value in result_attrs(result, folder).items():
                 self.set_attr(number, key, value)
             fault_point("record", number)
-            if result.outcome is Outcome.COMPLETE:
+            if state == TrialState.COMPLETE:
                 self.call(self.study.tell, number, result.value)
-            elif result.outcome is Outcome.PRUNED:
-                self.call(self.study.tell, number, state=TrialState.PRUNED)
             else:
-                self.call(self.study.tell, number, state=TrialState.FAIL)
+                self.call(self.study.tell, number, state=state)
         except (optuna.exceptions.UpdateFinishedTrialError, ValueError, RuntimeError):
-            if self.trial(number).state.is_finished():
-                return False
+            trial = self.trial(number)
+            if trial.state.is_finished():
+                return trial.state == state and trial.user_attrs.get(ATTR_OUTCOME) == result.outcome.value
             raise
         return True
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
+import sqlalchemy
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -82,6 +84,29 @@ def test_record_round_trips_as_flat_attributes(scenario: Scenario, url: str, res
     assert frame.loc[0, "user_attrs_outcome"] == result.outcome.value
 
 
+@pytest.mark.parametrize("result", [TrialResult(Outcome.COMPLETE, 0.1), TrialResult(Outcome.TIMEOUT, reason="killed")],
+                         ids=lambda r: r.outcome.value)
+def test_a_record_whose_commit_went_through_before_an_outage_cut_its_answer_is_recorded(
+        scenario: Scenario, url: str, monkeypatch: pytest.MonkeyPatch, result: TrialResult) -> None:
+    """The server commits the state, the connection drops before it answers, and the retry
+    finds the trial ended as this very result says: recorded, not 'judged lost by another worker'."""
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    tell, cut = store.study.tell, []
+
+    def committed_then_cut(*args: Any, **kwargs: Any) -> Any:
+        told = tell(*args, **kwargs)
+        if not cut:
+            cut.append(True)
+            raise sqlalchemy.exc.OperationalError("COMMIT", None, Exception("server closed the connection unexpectedly"))
+        return told
+
+    monkeypatch.setattr(store.study, "tell", committed_then_cut)
+    assert store.record(trial.number, result, "f")
+    assert cut and store.rows()[0].outcome is result.outcome
+
+
 def test_a_stopped_trial_has_no_value_in_optuna(scenario: Scenario, url: str) -> None:
     store = StudyStore(scenario, url)
     trial = store.ask()
@@ -92,13 +117,16 @@ def test_a_stopped_trial_has_no_value_in_optuna(scenario: Scenario, url: str) ->
     assert store.study.best_trials == []
 
 
-def test_recording_a_trial_someone_else_ended_is_false_not_an_error(scenario: Scenario, url: str) -> None:
+@pytest.mark.parametrize("own", [TrialResult(Outcome.COMPLETE, 0.1), TrialResult(Outcome.FAIL, reason="exit code 1")],
+                         ids=lambda r: r.outcome.value)
+def test_recording_a_trial_someone_else_ended_is_false_not_an_error(scenario: Scenario, url: str,
+                                                                    own: TrialResult) -> None:
     store = StudyStore(scenario, url)
     trial = store.ask()
     trial.suggest_float("x", 0.0, 1.0)
     other = StudyStore(scenario, url, create=False)
     assert other.end_other(trial.number, TrialResult(Outcome.LOST, reason="lost: its worker stopped"), "f")
-    assert not store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.1), "f")
+    assert not store.record(trial.number, own, "f")
     assert store.rows()[0].outcome is Outcome.LOST
     assert not other.end_other(trial.number, TrialResult(Outcome.LOST, reason="again"), "f")
 
