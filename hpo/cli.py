@@ -165,7 +165,8 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
 
     logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
     return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True),
-                        job_logs=ctx.workdir / "jobs")
+                        job_logs=ctx.workdir / "jobs",
+                        field="--cluster" if getattr(args, "cluster", None) else "resources.cluster")
 
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,

@@ -650,29 +650,59 @@ class _Following:
 
 def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None = None,
                  shared: bool | None = None, say: Callable[[str], None] = print,
-                 job_logs: Path | None = None) -> DaskExecutor:
+                 job_logs: Path | None = None, field: str = "resources.cluster") -> DaskExecutor:
     """A :class:`DaskExecutor` on ``cluster``: the Dask scheduler at its address (after its
     first worker joined), or batch jobs that dask-jobqueue starts as the sweep needs them,
     writing their output into ``job_logs``.
 
     ``timeout`` bounds connecting and reconnecting: a scheduler unreachable for that long
-    is gone (default: Dask's ``distributed.comm.timeouts.connect``). Raises
-    ExecutorUnavailable when it cannot be reached, InputError when a batch job cannot run
-    one trial.
+    is gone (default: Dask's ``distributed.comm.timeouts.connect``). A scheduler that cannot
+    be reached at first is bad input: an InputError naming ``field`` (the address's origin),
+    at once where nothing listens at a TCP address for ``REFUSED_GRACE_S`` (a scheduler
+    that is starting listens within that), else after ``timeout``. InputError too when a
+    batch job cannot run one trial.
     """
     if timeout is None:
         timeout = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
     if cluster.address is None:
         return _batch_jobs(cluster, resources, timeout, shared, job_logs)
     address = cluster.address
+    unreachable = f"{field}: cannot reach the Dask scheduler at {address}"
+    if nothing_listens(address):
+        raise InputError(f"{unreachable}: connection refused (is the scheduler running there?)")
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError) as exc:
-        raise ExecutorUnavailable(f"cannot reach the Dask scheduler at {address}: {exc}") from exc
+        raise InputError(f"{unreachable}: {exc}") from None
     if not client.scheduler_info()["workers"]:
         say(f"waiting for a Dask worker to join the scheduler at {address}")
         client.wait_for_workers(1)
     return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout)
+
+
+REFUSED_GRACE_S = 5.0
+
+
+def nothing_listens(address: str) -> bool:
+    """Whether nothing listens at a ``tcp://`` ``address`` for ``REFUSED_GRACE_S`` (every
+    connection refused); False for other protocols, or where the host does not answer."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    protocol, location = parse_address(address)
+    if protocol != "tcp":
+        return False
+    host, port = parse_host_port(location)
+    until = time.monotonic() + REFUSED_GRACE_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=REFUSED_GRACE_S).close()
+            return False
+        except ConnectionRefusedError:
+            if time.monotonic() >= until:
+                return True
+            time.sleep(0.25)
+        except OSError:
+            return False
 
 
 def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None,

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import pytest
 from conftest import WriteScenario, cli_env, run_hpo
 from distributed import Client
 
-from hpo.dask_executor import DaskExecutor, Demand, GpuPool, open_cluster, worker_gpus
+from hpo.dask_executor import DaskExecutor, Demand, GpuPool, nothing_listens, open_cluster, worker_gpus
 from hpo.engine import Sweep, SweepConfig
 from hpo.executor import TrialSpec, saved_result
 from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
@@ -110,6 +111,28 @@ class LocalDask:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_a_scheduler_that_starts_within_the_grace_is_waited_for(tmp_path: Path) -> None:
+    """A sweep started beside its scheduler finds nothing listening for a moment: that is not
+    yet bad input (a wrong port is, once the grace has passed: tests/test_bad_input.py)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+            "--no-dashboard"]
+    started: list[subprocess.Popen[bytes]] = []
+    later = threading.Timer(1.0, lambda: started.append(subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=(tmp_path / "scheduler.log").open("w"), env=cli_env())))
+    later.start()
+    began = time.monotonic()
+    try:
+        assert not nothing_listens(f"tcp://127.0.0.1:{port}")
+        assert time.monotonic() - began >= 1.0
+    finally:
+        later.join()
+        started[0].kill()
+        started[0].wait()
 
 
 @pytest.fixture(scope="module")
