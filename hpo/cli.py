@@ -445,7 +445,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from hpo import designs
     from hpo.engine import preflight
     from hpo.render import Renderer
-    from hpo.storage import optuna_url
+    from hpo.storage import optuna_url, reach
 
     ctx = _context(args)
     scenario = ctx.scenario
@@ -454,6 +454,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cluster = scenario.resources.cluster
     where = describe_plan(_plan(ctx)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
+    reach(ctx.storage, create=False)
     print(f"ok: {scenario.name}: {len(scenario.parameters)} parameters, method {scenario.search.method}, "
           f"{budget} trials, {where}")
     print(f"store: {optuna_url(ctx.storage)}")

@@ -147,17 +147,18 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         raise InputError(f"--storage: cannot open {redact(url)}: {_root_cause(exc)}") from None
 
 
-def reach(url: str) -> None:
+def reach(url: str, create: bool = True) -> None:
     """Make first contact with the store at ``url``, so that bad input is told apart from an
     outage before any store call is retried. An InputError naming ``--storage``: for a server,
     a refused connection (past ``REFUSED_GRACE_S``), a wrong password, a missing database or
     driver; for a file, a folder in its place or one that cannot be created, or a file that
-    cannot be opened (a writer's file and folders are created here). A server that is
-    restarting is left to the caller's :class:`Retrying`."""
+    cannot be opened. With ``create``, a file's folders and the file are created here;
+    without, nothing is written. A server that is restarting is left to the caller's
+    :class:`Retrying`."""
     check_url(url)
     local = local_path(url)
     if local is not None:
-        _reach_file(local, sqlite=sqlite_path(url) is not None)
+        _reach_file(local, sqlite=sqlite_path(url) is not None, create=create)
         return
     import sqlalchemy
 
@@ -176,22 +177,26 @@ def reach(url: str) -> None:
         engine.dispose()
 
 
-def _reach_file(path: Path, *, sqlite: bool) -> None:
+def _reach_file(path: Path, *, sqlite: bool, create: bool) -> None:
     if path.is_dir():
         example = path / ("study.db" if sqlite else "study.log")
         raise InputError(f"--storage: {path} is a folder; name a file in it, e.g. {example}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        blocker = next((folder for folder in reversed(path.parents) if folder.exists() and not folder.is_dir()), None)
-        why = f"{blocker} is a file" if blocker else exc.strerror
-        raise InputError(f"--storage: cannot create the folder {path.parent}: {why}") from None
+    blocker = next((folder for folder in reversed(path.parents) if folder.exists() and not folder.is_dir()), None)
+    if blocker is not None:
+        raise InputError(f"--storage: cannot create the folder {path.parent}: {blocker} is a file")
+    if create:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--storage: cannot create the folder {path.parent}: {exc.strerror}") from None
+    elif not path.exists():
+        return
     try:
         if sqlite:
             with contextlib.closing(sqlite3.connect(path, timeout=SQLITE_TIMEOUT_S)) as conn:
                 conn.execute("PRAGMA schema_version")  # reads the header: is it a database?
         else:
-            path.open("a").close()
+            path.open("a" if create else "rb").close()
     except (OSError, sqlite3.Error) as exc:
         raise InputError(f"--storage: cannot open {path}: {getattr(exc, 'strerror', None) or exc}") from None
 

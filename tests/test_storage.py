@@ -177,6 +177,11 @@ def test_first_contact_with_a_file_store_creates_its_folder_and_file(tmp_path: P
     assert (tmp_path / "db").is_dir() and [path.name for path in (tmp_path / "db").iterdir()] == [url.split("/")[-1]]
 
 
+def test_first_contact_without_create_writes_nothing(tmp_path: Path, url: str) -> None:
+    reach(url, create=False)
+    assert not (tmp_path / "db").exists()
+
+
 def test_a_database_without_optunas_tables_holds_no_study(tmp_path: Path) -> None:
     with contextlib.closing(sqlite3.connect(tmp_path / "other.db")) as conn:
         conn.execute("CREATE TABLE notes (text)")
