@@ -9,13 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import optuna
 
 from hpo.scenario import Param, Scenario
 
 
-def make_sampler(scenario: Scenario, seed: int) -> optuna.samplers.BaseSampler:
-    """The sampler of ``search.method``, seeded with this worker's ``seed``."""
+def make_sampler(scenario: Scenario, seed: int, resumed_at: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler of ``search.method``, seeded with this worker's ``seed`` and, in a study
+    that already has ``resumed_at`` trials, with that count too. A seeded sampler's random
+    stream starts over in every process: resumed with the seed alone, TPE's and the GP's
+    random start would draw the first run's configurations again (smac's, near copies of
+    them). The same resume point gives the same seed, so a resumed sweep is repeatable."""
+    if resumed_at:
+        seed = int(np.random.SeedSequence([seed, resumed_at]).generate_state(1)[0])
     return build_sampler(scenario.search.method, scenario.parameters, seed=seed,
                          direction=scenario.objective.direction)
 

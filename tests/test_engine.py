@@ -221,6 +221,19 @@ def test_ctrl_c_ends_trials_and_resume_retries_them(tmp_path: Path) -> None:
     assert {r["x"] for r in interrupted} <= {r["x"] for r in complete}
 
 
+@pytest.mark.parametrize("method", ["tpe", "gp", "smac"])
+def test_a_resumed_seeded_sweep_draws_none_of_its_configurations_again(tmp_path: Path, method: str) -> None:
+    """The seeded random start begins again in a new process: resumed, it must not spend its
+    trials on the first run's configurations or near copies of them."""
+    path = scenario(tmp_path, parallel=1, steps=1, pause=0.0, extra=f"search: {{method: {method}, trials: 3, seed: 5}}\n")
+    assert hpo("run", str(path)).returncode == 0
+    path.write_text(path.read_text().replace("trials: 3", "trials: 6"))
+    assert hpo("run", str(path)).returncode == 0
+    xs = [float(r["x"]) for r in export(path)]
+    assert len(xs) == 6
+    assert min(abs(later - earlier) for i, later in enumerate(xs) for earlier in xs[:i]) > 0.01, xs
+
+
 def test_stop_of_a_finished_trial_is_bad_input(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=1, parallel=1, steps=1, pause=0.0)
     assert hpo("run", str(path)).returncode == 0
