@@ -123,7 +123,7 @@ class Sweep:
         self._renderer = Renderer(scenario)
         self._design = designs.design_points(scenario)
         self.store = StudyStore(scenario, config.storage, pruner=make_pruner(scenario), on_outage=self._say)
-        self.store.study.sampler = make_sampler(scenario, config.seed, resumed_at=len(self.store.trials()))
+        self.store.use_sampler(make_sampler(scenario, config.seed, resumed_at=len(self.store.trials())))
         self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
                                    config.seed)
         self._executor = executor or LocalExecutor()

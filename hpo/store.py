@@ -138,12 +138,11 @@ class StudyStore:
         scenario: the validated scenario (its name, direction, parameters, store_retry).
         url: the storage URL.
         create: create the study if missing (``hpo run``); else a missing study is an InputError.
-        sampler, pruner: what ``ask`` and ``report`` use (model-based sweeps).
+        pruner: what ``report`` uses (a sweep's sampler comes with :meth:`use_sampler`).
         on_outage: receives one-line messages when the store stops and starts answering.
     """
 
     def __init__(self, scenario: Scenario, url: str, *, create: bool = True,
-                 sampler: optuna.samplers.BaseSampler | None = None,
                  pruner: optuna.pruners.BasePruner | None = None,
                  on_outage: Callable[[str], None] | None = None) -> None:
         self.scenario = scenario
@@ -161,21 +160,25 @@ class StudyStore:
             self._storage = self.call(open_storage, url, create)
             if create:
                 self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
-                                       sampler=sampler, pruner=pruner, load_if_exists=True,
+                                       pruner=pruner, load_if_exists=True,
                                        direction=scenario.objective.direction)
 
-        reach(url)  # bad input fails here; past it, what fails is an outage and is retried
+        reach(url, create)  # bad input fails here; past it, what fails is an outage and is retried
         self.locked(open_study)
         if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
-                                       sampler=sampler, pruner=pruner)
+                                       pruner=pruner)
             except KeyError:
                 raise InputError(f"no study named {scenario.name} in {url}: run `hpo run` first") from None
         if self.study.direction.name.lower() != scenario.objective.direction:
             raise InputError(f"objective.direction: the study {scenario.name} was created to "
                              f"{self.study.direction.name.lower()}, not {scenario.objective.direction}")
         self._study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
+
+    def use_sampler(self, sampler: optuna.samplers.BaseSampler) -> None:
+        """Propose the study's new trials with ``sampler`` from now on (:meth:`ask`)."""
+        self.study.sampler = sampler
 
     @contextlib.contextmanager
     def lock(self, claimed: list[int] | None = None) -> Iterator[None]:
