@@ -361,12 +361,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_rows(ctx, sys.stdout)
         return EXIT_OK
     target = Path(args.output)
+    if target.is_dir():
+        raise InputError(f"-o: {target} is a folder; name a file in it, e.g. {target / 'trials.csv'}")
     if not target.parent.exists():
         raise InputError(f"-o: folder {target.parent} does not exist")
-    with target.open("w", newline="") as handle:
+    try:
+        handle = target.open("w", newline="")
+    except OSError as exc:
+        raise InputError(f"-o: cannot write {target}: {exc.strerror}") from None
+    with handle:
         count = export_rows(ctx, handle)
     print(f"wrote {count} trials to {target}")
     return EXIT_OK
+
+
+def _new_folder(folder: Path, flag: str) -> Path:
+    """``folder``, where a command may create its files; an InputError naming ``flag`` when a
+    file is in its place or in the way of it."""
+    blocker = next((path for path in (*reversed(folder.parents), folder) if path.exists() and not path.is_dir()), None)
+    if blocker == folder:
+        raise InputError(f"{flag}: {folder} is a file, not a folder")
+    if blocker is not None:
+        raise InputError(f"{flag}: cannot create the folder {folder}: {blocker} is a file")
+    return folder
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -374,7 +391,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from hpo.plots import draw_all
 
     ctx = _context(args)
-    folder = Path(args.output) if args.output else ctx.workdir / "plots"
+    folder = _new_folder(Path(args.output), "-o") if args.output else ctx.workdir / "plots"
     store = _store(ctx)
     for path in draw_all(store.study, ctx.scenario, folder, rows=store.snapshot()):
         print(f"wrote {path}")
@@ -422,6 +439,9 @@ def cmd_best(args: argparse.Namespace) -> int:
     from hpo.rows import best_row
 
     ctx = _context(args)
+    target = _new_folder(Path(args.copy_to), "--copy-to") if args.copy_to else None
+    if target is not None and target.exists() and any(target.iterdir()):
+        raise InputError(f"--copy-to: {target} exists and is not empty")
     best = best_row(_snapshot(ctx), ctx.scenario.objective.direction)
     if best is None:
         print("no completed trial yet", file=sys.stderr)
@@ -431,10 +451,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     for name, value in best.params.items():
         print(f"  {name} = {value}")
     print(f"  folder: {best.folder}")
-    if args.copy_to:
-        target = Path(args.copy_to)
-        if target.exists() and any(target.iterdir()):
-            raise InputError(f"--copy-to: {target} exists and is not empty")
+    if target is not None:
         shutil.copytree(best.folder, target, dirs_exist_ok=True)
         print(f"copied to {target}")
     return EXIT_OK

@@ -135,6 +135,12 @@ CASES = {
     "workers-zero": Case(("--workers", "must be at least 1, got 0"), args=("run", "{scenario}", "--workers", "0")),
     "workers-not-a-number": Case(("--workers", "'x'"), args=("run", "{scenario}", "--workers", "x")),
     "unknown-option": Case(("unrecognized arguments", "--fast"), args=("validate", "{scenario}", "--fast")),
+    "export-to-a-folder": Case(("-o", "is a folder; name a file in it, e.g.", "trials.csv"),
+                               args=("export", "{scenario}", "-o", "{dir}")),
+    "best-copy-to-a-file": Case(("--copy-to", "scenario.yaml is a file, not a folder"),
+                                args=("best", "{scenario}", "--copy-to", "{scenario}")),
+    "plot-behind-a-file": Case(("-o", "cannot create the folder", "scenario.yaml is a file"),
+                               args=("plot", "{scenario}", "-o", "{scenario}/plots")),
     "stop-without-a-trial-number": Case(("stop", "trial"), args=("stop", "{scenario}")),
     # the same inputs through `hpo run`: rejected before any trial runs
     "run-csv-value-out-of-range": Case(("design.csv line 2, column x", "outside [0, 1]"), {"search": CSV_SEARCH},
