@@ -53,7 +53,7 @@ def _context(args: argparse.Namespace) -> Context:
     from hpo.storage import check_url, storage_url
 
     scenario = load_scenario(args.scenario)
-    workdir = Path(args.workdir).resolve() if args.workdir else scenario.default_workdir()
+    workdir = _new_folder(Path(args.workdir).resolve(), "--workdir") if args.workdir else scenario.default_workdir()
     storage = storage_url(scenario, args.storage, workdir)
     check_url(storage)
     return Context(scenario, workdir, storage)

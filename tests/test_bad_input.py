@@ -135,6 +135,8 @@ CASES = {
     "workers-zero": Case(("--workers", "must be at least 1, got 0"), args=("run", "{scenario}", "--workers", "0")),
     "workers-not-a-number": Case(("--workers", "'x'"), args=("run", "{scenario}", "--workers", "x")),
     "unknown-option": Case(("unrecognized arguments", "--fast"), args=("validate", "{scenario}", "--fast")),
+    "workdir-is-a-file": Case(("--workdir", "scenario.yaml is a file, not a folder"),
+                              args=("run", "{scenario}", "--workdir", "{scenario}")),
     "export-to-a-folder": Case(("-o", "is a folder; name a file in it, e.g.", "trials.csv"),
                                args=("export", "{scenario}", "-o", "{dir}")),
     "best-copy-to-a-file": Case(("--copy-to", "scenario.yaml is a file, not a folder"),
