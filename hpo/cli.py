@@ -141,7 +141,8 @@ def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argpars
     from hpo.engine import SweepConfig
 
     return SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, seed,
-                       allow_space_change=getattr(args, "allow_space_change", False))
+                       allow_space_change=getattr(args, "allow_space_change", False),
+                       store_reached=bool(getattr(args, "slots", None)))  # only hpo run --workers passes --slots
 
 
 def _cluster(ctx: Context, args: argparse.Namespace) -> Any:

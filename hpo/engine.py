@@ -83,6 +83,7 @@ class SweepConfig:
     slots: tuple[Slot, ...]
     seed: int
     allow_space_change: bool = False
+    store_reached: bool = False  # a worker that hpo run --workers started: its store answered hpo run
 
 
 def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
@@ -122,7 +123,8 @@ class Sweep:
         self._scenario = scenario
         self._renderer = Renderer(scenario)
         self._design = designs.design_points(scenario)
-        self.store = StudyStore(scenario, config.storage, pruner=make_pruner(scenario), on_outage=self._say)
+        self.store = StudyStore(scenario, config.storage, pruner=make_pruner(scenario), on_outage=self._say,
+                                reached=config.store_reached)
         self.store.use_sampler(make_sampler(scenario, config.seed, resumed_at=len(self.store.trials())))
         self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
                                    config.seed)

@@ -140,11 +140,13 @@ class StudyStore:
         create: create the study if missing (``hpo run``); else a missing study is an InputError.
         pruner: what ``report`` uses (a sweep's sampler comes with :meth:`use_sampler`).
         on_outage: receives one-line messages when the store stops and starts answering.
+        reached: the store has answered this sweep before (a worker that ``hpo run --workers``
+            started), so its first contact is skipped: a refused connection is an outage.
     """
 
     def __init__(self, scenario: Scenario, url: str, *, create: bool = True,
                  pruner: optuna.pruners.BasePruner | None = None,
-                 on_outage: Callable[[str], None] | None = None) -> None:
+                 on_outage: Callable[[str], None] | None = None, reached: bool = False) -> None:
         self.scenario = scenario
         self.url = url
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
@@ -163,7 +165,8 @@ class StudyStore:
                                        pruner=pruner, load_if_exists=True,
                                        direction=scenario.objective.direction)
 
-        reach(url, create)  # bad input fails here; past it, what fails is an outage and is retried
+        if not reached:
+            reach(url, create)  # bad input fails here; past it, what fails is an outage and is retried
         self.locked(open_study)
         if not create:
             try:

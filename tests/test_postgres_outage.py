@@ -25,7 +25,9 @@ from conftest import cli_env
 
 import hpo.storage
 from hpo import designs
+from hpo.errors import InputError
 from hpo.scenario import load_scenario
+from hpo.store import StudyStore
 
 CLUSTER, PORT = "hpotest", 5433
 URL = f"postgresql://hpo:hpo@127.0.0.1:{PORT}/hpo"
@@ -161,3 +163,22 @@ def test_a_process_that_starts_while_the_server_is_down_for_a_moment_waits_for_i
     finally:
         starter.join()
     assert "accepting connections" in _pg("pg_isready", "-p", str(PORT)).stdout
+
+
+def test_a_worker_that_hpo_run_started_rides_out_a_server_that_is_down_at_its_start(
+        server: str, tmp_path: Path) -> None:
+    """hpo run has reached the store before it starts its workers: a worker that meets the
+    server down (refusing connections) past the first contact's grace waits for it, where a
+    command of its own exits on bad input."""
+    scenario = load_scenario(write(tmp_path))
+    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    starter = threading.Timer(hpo.storage.REFUSED_GRACE_S + 1.5, _pg, ("pg_ctlcluster", server, CLUSTER, "start"))
+    starter.start()
+    try:
+        with pytest.raises(InputError, match="Connection refused"):
+            StudyStore(scenario, URL)
+        said: list[str] = []
+        store = StudyStore(scenario, URL, reached=True, on_outage=said.append)
+        assert store.rows() == [] and said[-1].startswith("the store answers again")
+    finally:
+        starter.join()
