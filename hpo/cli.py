@@ -379,7 +379,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _new_folder(folder: Path, flag: str) -> Path:
     """``folder``, where a command may create its files; an InputError naming ``flag`` when a
     file is in its place or in the way of it."""
-    blocker = next((path for path in (*reversed(folder.parents), folder) if path.exists() and not path.is_dir()), None)
+    from hpo.storage import file_in_the_way
+
+    blocker = file_in_the_way(folder)
     if blocker == folder:
         raise InputError(f"{flag}: {folder} is a file, not a folder")
     if blocker is not None:

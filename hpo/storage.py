@@ -177,11 +177,17 @@ def reach(url: str, create: bool = True) -> None:
         engine.dispose()
 
 
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of ``folder`` and the folders above it (from the top) that exists and is
+    not a folder, so that ``folder`` cannot be created; None if there is none."""
+    return next((path for path in (*reversed(folder.parents), folder) if path.exists() and not path.is_dir()), None)
+
+
 def _reach_file(path: Path, *, sqlite: bool, create: bool) -> None:
     if path.is_dir():
         example = path / ("study.db" if sqlite else "study.log")
         raise InputError(f"--storage: {path} is a folder; name a file in it, e.g. {example}")
-    blocker = next((folder for folder in reversed(path.parents) if folder.exists() and not folder.is_dir()), None)
+    blocker = file_in_the_way(path.parent)
     if blocker is not None:
         raise InputError(f"--storage: cannot create the folder {path.parent}: {blocker} is a file")
     if create:

@@ -71,6 +71,11 @@ def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
     return attrs
 
 
+def optuna_state(outcome: Outcome) -> TrialState:
+    """The Optuna state an ended trial of ``outcome`` is recorded in (the module docstring)."""
+    return {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(outcome, TrialState.FAIL)
+
+
 def _outcome(trial: FrozenTrial, recorded: str | None) -> Outcome:
     if trial.state == TrialState.RUNNING:
         return Outcome.RUNNING if SYS_STARTED in trial.system_attrs or _LEGACY_RUN in trial.user_attrs \
@@ -461,8 +466,7 @@ class StudyStore:
         as this result says was recorded by this very call: an outage cut the connection
         after the server had committed the state, and the retry found it done.
         """
-        state = {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(
-            result.outcome, TrialState.FAIL)
+        state = optuna_state(result.outcome)
         try:
             for key, value in result_attrs(result, folder).items():
                 self.set_attr(number, key, value)
@@ -486,8 +490,7 @@ class StudyStore:
                 self.set_attr(number, key, value)
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
-        state = {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(
-            result.outcome, TrialState.FAIL)
+        state = optuna_state(result.outcome)
         values = [result.value] if result.value is not None else None
         return self._set_state(number, state, values)
 
