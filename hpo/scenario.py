@@ -7,6 +7,7 @@ one line naming the field path and what is wrong. Unknown keys are errors.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import shlex
 from pathlib import Path
@@ -29,7 +30,11 @@ class _Frozen(BaseModel):
 
 
 class Param(_Frozen):
-    """One hyper-parameter: its type, range or choices, and optional condition."""
+    """One hyper-parameter: its type, range or choices, and optional condition. Every number
+    in it is finite: a NaN equals no value, itself included, and an infinite range has no
+    uniform draw."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     type: Literal["int", "float", "categorical", "constant", "bool"]
     low: float | None = None
@@ -85,7 +90,7 @@ class Param(_Frozen):
         return self.distribution == "normal"
 
 
-def _yaml(value: Scalar | None) -> str:
+def _yaml(value: Any) -> str:
     """``value`` as YAML writes it (``true``, ``1``, ``1.0``, ``'a'``)."""
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
@@ -538,9 +543,21 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+_SCALAR_MEMBERS = ("bool", "int", "float", "str", "list[union[bool,int,float,str]]")
+
+
 def _format_error(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     message: str = error["msg"]
+    if loc and loc[-1] in _SCALAR_MEMBERS:  # a choice, constant or condition value: name the value, not a member type
+        loc = tuple(part for part in loc if part not in _SCALAR_MEMBERS)
+        value = error["input"]
+        finite = not isinstance(value, float) or math.isfinite(value)
+        kinds = "a number, a string, true/false or a list of them" if "condition" in loc else \
+            "a number, a string or true/false"
+        message = f"{_yaml(value)} is not {kinds}" if finite else f"{_yaml(value)} is not a finite number"
+    elif error["type"] == "finite_number":
+        message = f"{_yaml(error['input'])} is not a finite number"
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
         head, sep, rest = message.partition(": ")
