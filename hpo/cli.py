@@ -585,7 +585,7 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, help="this worker's seed (default: scenario seed + pid)")
+    parser.add_argument("--seed", type=_seed, help="this worker's seed (default: scenario seed + pid)")
     parser.add_argument("--parallel", type=_positive, help="task slots of this worker (default: the scenario's)")
     parser.add_argument("--gpus", help="GPU ids this worker may use, e.g. 0,1")
     parser.add_argument("--slots", help=argparse.SUPPRESS)
@@ -618,22 +618,37 @@ def _best_args(parser: argparse.ArgumentParser) -> None:
 
 def _rerun_args(parser: argparse.ArgumentParser) -> None:
     _trial_arg(parser)
-    parser.add_argument("--seed", type=int, help="the rerun's trial_seed (default: the original trial's)")
+    parser.add_argument("--seed", type=_seed, help="the rerun's trial_seed (default: the original trial's)")
 
 
 def _dashboard_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
 
 
-def _positive(text: str) -> int:
+def _whole(text: str, low: int, high: int | None = None) -> int:
+    """``text`` as a whole number from ``low`` to ``high``, else argparse's type error."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _seed(text: str) -> int:
+    return _whole(text, 0, 2**32 - 1)  # NumPy's seeds (the scenario's leaves room for seed + worker index or pid)
+
+
+def _port(text: str) -> int:
+    return _whole(text, 0, 65535)
 
 
 COMMANDS = (

@@ -22,6 +22,7 @@ from hpo.results import RESERVED_ATTRS, STEP_KEY
 DESIGN_METHODS = ("monte_carlo", "csv", "grid", "sobol", "lhs")
 MODEL_METHODS = ("tpe", "gp", "smac")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
+SEED_MAX = 2**31 - 1  # a seed plus a trial number or a worker's pid stays a legal NumPy seed (below 2**32)
 Scalar = bool | int | float | str
 
 
@@ -143,7 +144,7 @@ class Search(_Frozen):
 
     method: Literal["monte_carlo", "csv", "grid", "sobol", "lhs", "tpe", "gp", "smac"] = "monte_carlo"
     trials: int | None = Field(default=None, ge=1)
-    seed: int = 1
+    seed: int = Field(default=1, ge=0, le=SEED_MAX)
     csv: Path | None = None
     retry_failed: int = Field(default=0, ge=0)
     pruner: Literal["none", "median", "successive_halving", "hyperband"] = "none"
@@ -479,6 +480,10 @@ class Scenario(_Frozen):
         reserved = {"trial_number", "trial_dir", "data_dir", "seed", "trial_seed"} & set(names)
         if reserved:
             raise ValueError(f"parameters.{min(reserved)}: the name is reserved for the template context")
+        for key, value in self.env.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise ValueError(f"env: {key!r} is not an environment variable name and value "
+                                 "(a name is not empty and holds no '=', neither holds a NUL)")
         for index, (name, param) in enumerate(self.parameters.items()):
             _check_condition(name, param, names[:index], self.parameters)
             if param.is_normal and self.search.method not in ("monte_carlo", "sobol", "lhs"):

@@ -169,6 +169,10 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"resources": {"gpus": [0, 0]}}, "resources.gpus: GPU ids must be unique"),
         ({"resources": {"timeout": 0}}, "resources.timeout: Input should be greater than 0"),
         ({"path": "x"}, "path: unknown key"),
+        ({"search": {"seed": -1}}, "search.seed: Input should be greater than or equal to 0"),
+        ({"search": {"seed": 2**32}}, "search.seed: Input should be less than or equal to 2147483647"),
+        ({"env": {"A=B": "x"}}, "env: 'A=B' is not an environment variable name"),
+        ({"env": {"": "x"}}, "env: '' is not an environment variable name"),
     ],
 )
 def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteScenario,
