@@ -52,6 +52,7 @@ class Tally:
     running: tuple[TrialRow, ...]
     failures: tuple[TrialRow, ...]
     mean_duration_s: float | None
+    reruns: int = 0
 
 
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
@@ -62,21 +63,24 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     return Tally(budget=budget, done=budget_used(rows) - in_flight, counts=Counter(r.outcome for r in rows),
                  best=best_row(rows, direction), running=tuple(r for r in rows if r.outcome is Outcome.RUNNING),
                  failures=tuple(failed[-FAILURES_SHOWN:]),
-                 mean_duration_s=sum(durations) / len(durations) if durations else None)
+                 mean_duration_s=sum(durations) / len(durations) if durations else None,
+                 reruns=sum(1 for r in rows if r.rerun_of is not None))
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 
 
 def summary_line(t: Tally, metric: str) -> str:
-    """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``."""
+    """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``;
+    reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``"""
     def count(o: Outcome) -> str:
         return f"{t.counts[o]} {LABELS.get(o, o.value.lower())}"
 
     parts = [count(o) for o in Outcome if o.own and t.counts.get(o)]
     again = [count(o) for o in (Outcome.LOST, Outcome.INTERRUPTED) if t.counts.get(o)]
     pending = [count(o) for o in (Outcome.RUNNING, Outcome.WAITING) if t.counts.get(o)]
-    text = f"{t.done}/{t.budget} trials done" + (f": {', '.join(parts)}" if parts else "")
+    reruns = f" and {t.reruns} rerun{'s' if t.reruns > 1 else ''}" if t.reruns else ""
+    text = f"{t.done}/{t.budget} trials done{reruns}" + (f": {', '.join(parts)}" if parts else "")
     if pending:
         text += f"; {', '.join(pending)}"
     if again:
