@@ -389,12 +389,22 @@ def _new_folder(folder: Path, flag: str) -> Path:
     return folder
 
 
+def _made_folder(folder: Path, flag: str) -> Path:
+    """``folder``, created with its parents; an InputError naming ``flag`` where it cannot be
+    (no permission, a read-only or virtual file system)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{flag}: cannot create the folder {folder}: {exc.strerror or exc}") from None
+    return folder
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw the study's charts as PNG files into -o DIR (default: <workdir>/plots)."""
     from hpo.plots import draw_all
 
     ctx = _context(args)
-    folder = _new_folder(Path(args.output), "-o") if args.output else ctx.workdir / "plots"
+    folder = _made_folder(_new_folder(Path(args.output), "-o"), "-o") if args.output else ctx.workdir / "plots"
     store = _store(ctx)
     for path in draw_all(store.study, ctx.scenario, folder, rows=store.snapshot()):
         print(f"wrote {path}")
@@ -449,6 +459,8 @@ def cmd_best(args: argparse.Namespace) -> int:
     if best is None:
         print("no completed trial yet", file=sys.stderr)
         return EXIT_ERROR
+    if target is not None:
+        _made_folder(target, "--copy-to")
     held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
     for name, value in best.params.items():

@@ -155,6 +155,8 @@ CASES = {
                                 args=("best", "{scenario}", "--copy-to", "{scenario}")),
     "plot-behind-a-file": Case(("-o", "cannot create the folder", "scenario.yaml is a file"),
                                args=("plot", "{scenario}", "-o", "{scenario}/plots")),
+    "plot-to-a-folder-that-cannot-be-made": Case(("-o", "cannot create the folder /proc/hpo-plots"),
+                                                  args=("plot", "{scenario}", "-o", "/proc/hpo-plots")),
     "stop-without-a-trial-number": Case(("stop", "trial"), args=("stop", "{scenario}")),
     # the same inputs through `hpo run`: rejected before any trial runs
     "run-csv-value-out-of-range": Case(("design.csv line 2, column x", "outside [0, 1]"), {"search": CSV_SEARCH},

@@ -83,6 +83,9 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
     best = hpo("best", str(scenario), "--copy-to", str(best_dir))
     assert best.returncode == 0 and "test_error=" in best.stdout
     assert (best_dir / "model.pt").is_file() and (best_dir / "trial.log").is_file()
+    unmade = hpo("best", str(scenario), "--copy-to", "/proc/hpo-best")  # a folder no one can create
+    assert unmade.returncode == 2 and unmade.stdout == ""
+    assert unmade.stderr.strip() == "error: --copy-to: cannot create the folder /proc/hpo-best: No such file or directory"
 
     again = hpo("run", str(scenario))
     assert again.returncode == 0 and "2 of 2 trials done before this run" in again.stdout
