@@ -52,7 +52,7 @@ class Tally:
     running: tuple[TrialRow, ...]
     failures: tuple[TrialRow, ...]
     mean_duration_s: float | None
-    reruns: int = 0
+    reruns: int
 
 
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:

@@ -554,15 +554,17 @@ _SCALAR_MEMBERS = ("bool", "int", "float", "str", "list[union[bool,int,float,str
 def _format_error(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     message: str = error["msg"]
-    if loc and loc[-1] in _SCALAR_MEMBERS:  # a choice, constant or condition value: name the value, not a member type
+    scalar = bool(loc) and loc[-1] in _SCALAR_MEMBERS  # a choice, constant or condition value
+    if scalar:  # name the value, not the union's member types
         loc = tuple(part for part in loc if part not in _SCALAR_MEMBERS)
+    if scalar or error["type"] == "finite_number":
         value = error["input"]
-        finite = not isinstance(value, float) or math.isfinite(value)
-        kinds = "a number, a string, true/false or a list of them" if "condition" in loc else \
-            "a number, a string or true/false"
-        message = f"{_yaml(value)} is not {kinds}" if finite else f"{_yaml(value)} is not a finite number"
-    elif error["type"] == "finite_number":
-        message = f"{_yaml(error['input'])} is not a finite number"
+        if isinstance(value, float) and not math.isfinite(value):
+            message = f"{_yaml(value)} is not a finite number"
+        else:
+            kinds = "a number, a string, true/false or a list of them" if "condition" in loc else \
+                "a number, a string or true/false"
+            message = f"{_yaml(value)} is not {kinds}"
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
         head, sep, rest = message.partition(": ")
