@@ -123,6 +123,8 @@ class Renderer:
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
         names: set[str] = set()
         for template in scenario.template:
+            if template.is_dir():
+                raise InputError(f"template: {template} is a folder; list the files to copy or render")
             if not template.is_file():
                 raise InputError(f"template: file {template} not found")
             name, rendered = _output_name(template)

@@ -484,6 +484,9 @@ class Scenario(_Frozen):
             if not key or "=" in key or "\0" in key or "\0" in value:
                 raise ValueError(f"env: {key!r} is not an environment variable name and value "
                                  "(a name is not empty and holds no '=', neither holds a NUL)")
+            if key in SET_BY_HPO:
+                raise ValueError(f"env: {key} is set by hpo for each trial{SET_BY_HPO[key]}")
+        _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
             _check_condition(name, param, names[:index], self.parameters)
             if param.is_normal and self.search.method not in ("monte_carlo", "sobol", "lhs"):
@@ -499,6 +502,37 @@ class Scenario(_Frozen):
     def default_workdir(self) -> Path:
         """Where trial folders and the default store go: ``workdir`` or ``runs/<name>``."""
         return self.workdir or self.folder / "runs" / self.name
+
+
+SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus chooses which GPUs hpo uses)",
+              "HPO_TRIAL_TOKEN": "", "HPO_TRIAL_NUMBER": "", "HPO_TRIAL_DIR": "", "HPO_SLOT": ""}
+"""Environment variables of a trial that hpo sets (a scenario's ``env`` may not), and why."""
+
+
+def _check_flags(scenario: Scenario) -> None:
+    """Raise ValueError where two parameters, or a parameter and ``seed_flag``, would pass the
+    same flag to one trial (parameters whose conditions exclude each other may share one)."""
+    prefix = "-" if scenario.flag_style == "-name" else "--"
+    owners: dict[str, list[str]] = {}
+    for name, param in scenario.parameters.items():
+        if scenario.flags or param.flag:
+            flag = param.flag or f"{prefix}{name}"
+            for other in owners.get(flag, []):
+                if not _exclusive(param, scenario.parameters[other]):
+                    raise ValueError(f"parameters.{name}: its flag {flag} is also the flag of {other}; "
+                                     "a trial would get both")
+            owners.setdefault(flag, []).append(name)
+    if scenario.seed_flag in owners:
+        raise ValueError(f"seed_flag: {scenario.seed_flag} is also the flag of {owners[scenario.seed_flag][0]}")
+
+
+def _exclusive(a: Param, b: Param) -> bool:
+    """Whether the conditions of ``a`` and ``b`` never hold together (one parent, no common value)."""
+    def wanted(param: Param, parent: str) -> set[Any]:
+        value = (param.condition or {})[parent]
+        return set(value if isinstance(value, list) else [value])
+    shared = set(a.condition or {}) & set(b.condition or {})
+    return any(not wanted(a, parent) & wanted(b, parent) for parent in shared)
 
 
 def _check_condition(name: str, param: Param, earlier: list[str], params: dict[str, Param]) -> None:
@@ -517,16 +551,22 @@ _PATH_KEYS = ("template", "data_dir", "workdir")
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``raw`` with its paths absolute: ``~`` expanded, relative ones against ``folder``;
+    InputError for an empty path."""
+    def resolved(key: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            raise InputError(f"{key}: the path is empty")
+        return str((folder / Path(value).expanduser()).resolve())
+
     out = dict(raw)
     for key in _PATH_KEYS:
         value = out.get(key)
-        if isinstance(value, str):
-            out[key] = str((folder / value).resolve())
-        elif isinstance(value, list):
-            out[key] = [str((folder / v).resolve()) if isinstance(v, str) else v for v in value]
+        out[key] = [resolved(key, v) for v in value] if isinstance(value, list) else resolved(key, value)
     search = out.get("search")
-    if isinstance(search, dict) and isinstance(search.get("csv"), str):
-        out["search"] = {**search, "csv": str((folder / search["csv"]).resolve())}
+    if isinstance(search, dict) and "csv" in search:
+        out["search"] = {**search, "csv": resolved("search.csv", search["csv"])}
     return out
 
 
@@ -570,6 +610,9 @@ def _format_error(error: dict[str, Any]) -> str:
         head, sep, rest = message.partition(": ")
         if sep and head.isidentifier() and " " not in head:
             loc, message = loc + (head,), rest
+    if loc and loc[-1] == "[key]":  # a mapping key that YAML read as a bool, a number or null
+        loc, message = loc[:-2], (f"the name {_yaml(error['input'])} is not a string: YAML reads yes/no, "
+                                  "on/off, true/false, null and numbers unquoted as such; quote the name")
     if error["type"] == "extra_forbidden":
         parent = loc[:-1]
         allowed = _allowed_keys(Param if len(parent) == 2 and parent[0] == "parameters"
@@ -601,6 +644,8 @@ def load_scenario(path: str | Path) -> Scenario:
         raise InputError(f"{file.name}: path: unknown key")
     try:
         return Scenario(**_resolve_paths(raw, file.resolve().parent), path=file.resolve())
+    except InputError as exc:
+        raise InputError(f"{file.name}: {exc}") from None
     except ValidationError as exc:
         raise InputError(f"{file.name}: {_format_error(exc.errors()[0])}") from None
     except TypeError as exc:

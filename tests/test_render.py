@@ -154,6 +154,10 @@ def test_missing_template_and_clashing_names(tmp_path: Path, write_scenario: Wri
     path = write_scenario(tmp_path / "a", template=["nope.py.j2"], template_text=None)
     with pytest.raises(InputError, match=r"template: file .*nope\.py\.j2 not found"):
         Renderer(load_scenario(path))
+    (tmp_path / "a" / "pkg").mkdir()
+    folder = write_scenario(tmp_path / "a", template=["train.py.j2", "pkg"])
+    with pytest.raises(InputError, match=r"template: .*pkg is a folder; list the files"):
+        Renderer(load_scenario(folder))
     with pytest.raises(InputError, match="template: two files would be written as train.py"):
         _renderer(tmp_path / "b", write_scenario, {"train.py.j2": "", "train.py": ""})
     with pytest.raises(InputError, match="template: two files would be written as params.json"):

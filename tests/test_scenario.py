@@ -173,6 +173,16 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"search": {"seed": 2**32}}, "search.seed: Input should be less than or equal to 2147483647"),
         ({"env": {"A=B": "x"}}, "env: 'A=B' is not an environment variable name"),
         ({"env": {"": "x"}}, "env: '' is not an environment variable name"),
+        ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env: CUDA_VISIBLE_DEVICES is set by hpo for each trial"),
+        ({"env": {"HPO_SLOT": "1"}}, "env: HPO_SLOT is set by hpo for each trial"),
+        ({"env": {1: "x"}}, "env: the name 1 is not a string: YAML reads yes/no, on/off"),
+        ({"parameters": {True: {"type": "float", "low": 0, "high": 1}}},
+         "parameters: the name true is not a string: YAML reads yes/no, on/off, true/false, null and numbers"),
+        ({"data_dir": " "}, "data_dir: the path is empty"),
+        ({"template": ["train.py.j2", ""]}, "template: the path is empty"),
+        ({"flags": True, **_p("y", type="float", low=0, high=1, flag="--x")},
+         "parameters.y: its flag --x is also the flag of x; a trial would get both"),
+        ({"flags": True, "flag_style": "-name", "seed_flag": "-x"}, "seed_flag: -x is also the flag of x"),
     ],
 )
 def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteScenario,
@@ -190,3 +200,20 @@ def test_empty_parameters_is_an_error(tmp_path: Path, write_scenario: WriteScena
     path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"))
     with pytest.raises(InputError, match="parameters: the scenario defines no parameter"):
         load_scenario(path)
+
+
+def test_parameters_whose_conditions_exclude_each_other_may_share_a_flag(tmp_path: Path,
+                                                                           write_scenario: WriteScenario) -> None:
+    shared = {"type": "float", "low": 0, "high": 1, "flag": "--lr"}
+    path = write_scenario(tmp_path, parameters={"a": {**shared, "condition": {"opt": "a"}},
+                                                "b": {**shared, "condition": {"opt": ["b"]}}})
+    assert load_scenario(path).parameters["b"].flag == "--lr"
+    overlapping = write_scenario(tmp_path, parameters={"a": {**shared, "condition": {"opt": "a"}},
+                                                       "b": {**shared, "condition": {"opt": ["a", "b"]}}})
+    with pytest.raises(InputError, match="parameters.b: its flag --lr is also the flag of a"):
+        load_scenario(overlapping)
+
+
+def test_a_path_may_start_with_the_home_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, data_dir="~/hpo-data"))
+    assert scenario.data_dir == Path.home().resolve() / "hpo-data"
