@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
-from hpo.executor import Executor, LocalExecutor, TrialSpec
+from hpo.executor import Executor, LocalExecutor, TrialSpec, save_result
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
@@ -40,6 +41,14 @@ from hpo.scheduler import Claim, Scheduler
 from hpo.spacecheck import space_change
 from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
+
+
+def _quiet_step_warnings() -> None:
+    """Keep Optuna's and NumPy's warnings about a trial's step values (a step reported twice:
+    Optuna keeps its first value; NaN at a step: pruners take it as the worst) off the sweep's
+    output: they are about the trial's script, not the sweep."""
+    warnings.filterwarnings("ignore", message="The reported value is ignored because", category=UserWarning)
+    warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
 
 CLAIM_POLL_S = 1.0
 
@@ -118,6 +127,7 @@ class Sweep:
     """Runs one worker's share of a study until the study's budget is spent."""
 
     def __init__(self, config: SweepConfig, executor: Executor | None = None) -> None:
+        _quiet_step_warnings()
         self.config = config
         scenario = config.scenario
         self._scenario = scenario
@@ -311,8 +321,11 @@ class Sweep:
         start = time.monotonic()
         try:
             spec = self.spec(slot, claim)
-        except InputError as exc:
-            return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc))
+        except InputError as exc:  # its templates do not render for these values: the folder says why
+            claim.folder.mkdir(parents=True, exist_ok=True)
+            (claim.folder / LOG_FILE).write_text(f"hpo: {exc}\n")
+            return save_result(claim.folder, claim.number,
+                               TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc)))
         control = _Control(self, claim, slot)
         try:
             return self._executor.run(spec, control)
@@ -391,6 +404,8 @@ class _Control:
         fault_point("started", claim.number)
 
     def intermediate(self, step: int, value: float) -> bool:
+        """Report ``value`` at ``step`` (a step's first value is kept, as Optuna keeps it) and
+        ask the pruner."""
         call = self._sweep.store.call
         call(self._claim.trial.report, value, step)
         return self._pruning and bool(call(self._claim.trial.should_prune))

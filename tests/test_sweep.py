@@ -1,8 +1,10 @@
 """The sweep in-process, on a fake executor: claims, settling, stop requests and graceful stops."""
 from __future__ import annotations
 
+import math
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.errors import StoreUnavailable
-from hpo.executor import TrialControl, TrialSpec
+from hpo.executor import TrialControl, TrialSpec, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import load_scenario
@@ -150,3 +152,40 @@ def test_a_store_that_stays_down_stops_the_sweep(tmp_path: Path, write_scenario:
     # failure it sees, after one or two trials; nothing was recorded, all is left for a resume
     assert sweep.stopping and 1 <= len(executor.specs) <= 2
     assert {r.outcome for r in sweep.store.rows()} <= {Outcome.RUNNING, Outcome.WAITING}
+
+
+def test_a_trial_whose_templates_do_not_render_leaves_its_folder_and_reason(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    template = "{% if x < 0.5 %}{{ nothere }}{% endif %}x = {{ x }}\n"  # the middle of the space renders
+    scenario = load_scenario(write_scenario(tmp_path, template_text=template,
+                                            search={"method": "monte_carlo", "trials": 6, "seed": 1}))
+    slots = (Slot(0, (), 1, 1),)
+    sweep = Sweep(SweepConfig(scenario, f"sqlite:///{tmp_path}/study.db", tmp_path / "w", slots, seed=1),
+                  FakeExecutor())
+    sweep.prepare()
+    sweep.run()
+    failed = [r for r in sweep.store.rows() if r.outcome is Outcome.FAIL]
+    assert failed and all("'nothere' is undefined" in r.reason for r in failed)
+    for row in failed:
+        folder = Path(row.folder)
+        assert "'nothere' is undefined" in (folder / "trial.log").read_text()
+        assert saved_result(folder, row.number).reason == row.reason
+
+
+class RepeatingExecutor(FakeExecutor):
+    """Reports NaN, then a value, at one step, then completes."""
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        control.started(spec.slot.gpus)
+        control.intermediate(1, float("nan"))
+        control.intermediate(1, 0.5)
+        return TrialResult(Outcome.COMPLETE, float(spec.params["x"]), {}, 0.01)
+
+
+def test_a_repeated_or_nan_step_warns_nothing(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    sweep = make(tmp_path, write_scenario, RepeatingExecutor(), parallel=1, pruner="median")
+    with warnings.catch_warnings(record=True) as caught:
+        sweep.run()
+    assert [r.outcome for r in sweep.store.rows()] == [Outcome.COMPLETE] * 6
+    assert math.isnan(sweep.store.trial(0).intermediate_values[1])
+    assert not [w.message for w in caught if issubclass(w.category, (UserWarning, RuntimeWarning))]
