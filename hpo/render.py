@@ -27,7 +27,7 @@ COMMAND_FILE = "command.txt"
 LOG_FILE = "trial.log"
 RESULT_FILE = "result.json"
 RESERVED_FILES = (PARAMS_FILE, COMMAND_FILE, LOG_FILE, RESULT_FILE)
-_DOLLAR = re.compile(r"\$\{\s*([A-Za-z_]\w*)\s*\}")
+_DOLLAR = re.compile(r"\$(\$)?\{\s*([A-Za-z_]\w*)\s*\}")
 
 
 def trial_folder(workdir: Path, number: int) -> Path:
@@ -43,12 +43,17 @@ def _output_name(template: Path) -> tuple[str, bool]:
 
 
 def _dollar(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
+    """Rescale's syntax: ``${name}`` is the value of ``name``; ``$${name}`` is a literal
+    ``${name}`` (a shell variable, say)."""
     def render(context: Mapping[str, Any]) -> str:
         def value(match: re.Match[str]) -> str:
-            name = match.group(1)
+            escaped, name = match.groups()
+            if escaped:
+                return match.group(0)[1:]
             if name not in context:
                 line = text.count("\n", 0, match.start()) + 1
-                raise InputError(f"template {template.name} line {line}: ${{{name}}} is undefined")
+                raise InputError(f"template {template.name} line {line}: ${{{name}}} is undefined "
+                                 f"(write $${{{name}}} for a literal ${{{name}}})")
             return str(context[name])
 
         return _DOLLAR.sub(value, text)

@@ -51,6 +51,7 @@ def test_trial_folder_name(tmp_path: Path) -> None:
         ("jinja", "trial {{ trial_number }} seed {{ seed }} dir {{ trial_dir }}", "trial 3 seed 1 dir {folder}"),
         ("dollar", "lr = ${x}\nopt = '${ opt }'\n", "lr = 0.25\nopt = 'adam'\n"),
         ("dollar", "keep $x and {{ x }}; trial ${trial_number}", "keep $x and {{ x }}; trial 3"),
+        ("dollar", 'cd "$${HOME}" && echo $${ x } ${x}', 'cd "${HOME}" && echo ${ x } 0.25'),
     ],
 )
 def test_templates_render(tmp_path: Path, write_scenario: WriteScenario, syntax: str, text: str,
@@ -122,7 +123,7 @@ def test_render_texts_writes_nothing(tmp_path: Path, write_scenario: WriteScenar
         ("jinja", "a\nb\n{% for i in range(2) %}\n{{ cfg.depth }}\n{% endfor %}\n",
          "template train.py.j2 line 4: 'cfg' is undefined"),
         ("jinja", "{{ x }}\n{{ 1 / 0 }}\n", "template train.py.j2 line 2: ZeroDivisionError: division by zero"),
-        ("dollar", "a = 1\nb = 2\nlr = ${lr}\n", "template train.py.j2 line 3: ${lr} is undefined"),
+        ("dollar", "a = 1\nb = 2\nlr = ${lr}\n", "template train.py.j2 line 3: ${lr} is undefined (write $${lr} for a literal ${lr})"),
     ],
 )
 def test_undefined_variables_name_file_and_line(tmp_path: Path, write_scenario: WriteScenario, syntax: str,
