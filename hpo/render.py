@@ -1,7 +1,8 @@
 """Trial folders: the scenario's templates rendered with one trial's parameters.
 
 A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is rendered and
-written without that suffix; any other file is copied as it is. The syntax is Jinja2 with
+written without that suffix; any other file is copied as it is. A folder brings its files,
+rendered or copied the same way, under its own name (``models/``, ``models/net.py``). The syntax is Jinja2 with
 StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``. Templates
 see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
 ``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
@@ -102,6 +103,24 @@ class TrialFile:
     mode: int = 0o644
 
 
+def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool]]:
+    """Each file a trial folder gets from ``templates``: (source, name in the folder, rendered
+    or copied). A folder brings every file below it under its own name, ``__pycache__`` left out."""
+    out = []
+    for template in templates:
+        if template.is_dir():
+            files = sorted(path for path in template.rglob("*")
+                           if path.is_file() and "__pycache__" not in path.relative_to(template).parts)
+            for path in files:
+                name, rendered = _output_name(path)
+                out.append((path, (path.parent.relative_to(template.parent) / name).as_posix(), rendered))
+        elif template.is_file():
+            out.append((template, *_output_name(template)))
+        else:
+            raise InputError(f"template: file {template} not found")
+    return out
+
+
 def trial_seed(seed: int, number: int) -> int:
     """The per-trial seed that templates see as ``trial_seed``: the study's seed plus the
     trial number (so trials differ and a study repeats), kept in [0, 2**31)."""
@@ -113,6 +132,7 @@ def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for file in files:
         target = folder / file.name
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(file.data)
         target.chmod(file.mode)
 
@@ -127,12 +147,7 @@ class Renderer:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
         names: set[str] = set()
-        for template in scenario.template:
-            if template.is_dir():
-                raise InputError(f"template: {template} is a folder; list the files to copy or render")
-            if not template.is_file():
-                raise InputError(f"template: file {template} not found")
-            name, rendered = _output_name(template)
+        for template, name, rendered in _entries(scenario.template):
             if name in names or name in RESERVED_FILES:
                 raise InputError(f"template: two files would be written as {name}")
             names.add(name)

@@ -155,10 +155,6 @@ def test_missing_template_and_clashing_names(tmp_path: Path, write_scenario: Wri
     path = write_scenario(tmp_path / "a", template=["nope.py.j2"], template_text=None)
     with pytest.raises(InputError, match=r"template: file .*nope\.py\.j2 not found"):
         Renderer(load_scenario(path))
-    (tmp_path / "a" / "pkg").mkdir()
-    folder = write_scenario(tmp_path / "a", template=["train.py.j2", "pkg"])
-    with pytest.raises(InputError, match=r"template: .*pkg is a folder; list the files"):
-        Renderer(load_scenario(folder))
     with pytest.raises(InputError, match="template: two files would be written as train.py"):
         _renderer(tmp_path / "b", write_scenario, {"train.py.j2": "", "train.py": ""})
     with pytest.raises(InputError, match="template: two files would be written as params.json"):
@@ -177,3 +173,19 @@ def test_context_has_reserved_names(tmp_path: Path, write_scenario: WriteScenari
                                                        "seed": 9, "trial_seed": 11}
     assert renderer.context(2, tmp_path, {"x": 1}, seed=5)["trial_seed"] == 5
     assert scenario.search.seed == 9
+
+
+def test_a_folder_brings_its_files_under_its_name(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    package = tmp_path / "models"
+    (package / "blocks").mkdir(parents=True)
+    (package / "__pycache__").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "blocks" / "net.py.j2").write_text("WIDTH = {{ x }}\n")
+    (package / "__pycache__" / "net.cpython-311.pyc").write_bytes(b"\0")
+    path = write_scenario(tmp_path, template=["train.py.j2", "models"], command="python train.py")
+    renderer = Renderer(load_scenario(path))
+    assert renderer.names == ("train.py", "models/__init__.py", "models/blocks/net.py")
+    folder = tmp_path / "trial-0000"
+    write_files(folder, renderer.files(0, folder, {"x": 0.25, "opt": "a"}, ["python", "train.py"]))
+    assert (folder / "models" / "blocks" / "net.py").read_text() == "WIDTH = 0.25\n"
+    assert not (folder / "models" / "__pycache__").exists()
