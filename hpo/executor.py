@@ -9,8 +9,9 @@ runs the same :func:`run_trial` inside a Dask worker.
 
 :func:`run_trial` writes the folder, runs the command (``CUDA_VISIBLE_DEVICES`` from the
 slot, ``OMP_NUM_THREADS``, the trial's token), streams its output to ``trial.log`` and the
-metric parser, runs ``objective.post_process`` if set, judges the outcome and writes it to
-``result.json`` in the folder: the backup of record when the store cannot be reached.
+metric parser, runs ``objective.post_process`` if set (in what is left of the trial's
+timeout), judges the outcome and writes it to ``result.json`` in the folder: the backup of
+record when the store cannot be reached.
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class TrialSpec:
         env: extra environment of its processes (the scenario's ``env`` and ``HPO_*`` values).
         slot: the task slot it runs on (GPUs, processes, threads).
         token: marks its processes, so that orphans can be found and killed.
-        timeout: seconds before its process tree is killed (None: no limit).
+        timeout: seconds its command and post_process together may run before their process
+            tree is killed (None: no limit).
         objective: how its output is read and judged.
     """
 
@@ -119,18 +121,15 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
     control.started(spec.slot.gpus)
     process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_line, should_end)
-    metrics = parser.metrics()
-    duration = process.duration_s
-    if objective.post_process and process.exit_code == 0 and process.ended_by is None:
-        post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, spec.timeout,
+    exit_code, ended_by, duration = process.exit_code, process.ended_by, process.duration_s
+    if objective.post_process and exit_code == 0 and ended_by is None:
+        left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
+        post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
                            on_line, control.end_request)
-        duration += post.duration_s
-        if post.exit_code != 0 or post.ended_by is not None:
-            cause = post.ended_by or f"post_process exit code {post.exit_code}"
-            return save_result(folder, spec.number, TrialResult(Outcome.FAIL, duration_s=duration,
-                                                                reason=_with_line(cause, tail)))
-        metrics = parser.metrics()
-    result = judge(metrics, objective, process.exit_code, process.ended_by, list(tail), duration, spec.timeout)
+        exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + post.duration_s
+        if exit_code != 0 and ended_by is None:
+            ended_by = _with_line(f"post_process exit code {exit_code}", tail)
+    result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout)
     return save_result(folder, spec.number, result)
 
 
@@ -147,11 +146,12 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         metrics: what its output reported.
         objective: the metric, held-out metrics and direction.
         exit_code: its exit code (negative: killed by that signal).
-        ended_by: what ended it early: ``timeout``, ``pruned``, ``stopped``, ``interrupted``,
-            ``cannot start ...``, or None when it exited by itself.
+        ended_by: what ended it early: ``timeout``, ``pruned``, ``stopped``, ``interrupted``;
+            else a failure's reason (``cannot start ...``, ``post_process exit code ...``);
+            None when it exited by itself.
         tail: its last output lines, for the reason's error line.
-        duration_s: seconds it ran.
-        timeout: the time limit it had.
+        duration_s: seconds it ran (with its post_process).
+        timeout: the time limit it had (for the command and its post_process together).
     """
     kept = {name: metrics.final[name] for name in objective.held_out
             if name in metrics.final and math.isfinite(metrics.final[name])}

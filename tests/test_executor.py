@@ -1,8 +1,10 @@
 """Running one trial and judging how it ended: the judge's table, and real processes on the local executor."""
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -91,7 +93,7 @@ def spec(tmp_path: Path, code: str, objective: Objective = OBJECTIVE, timeout: f
     files = (TrialFile("train.py", textwrap.dedent(code).encode()), *extra)
     return TrialSpec(number=7, params={"x": 1}, folder=tmp_path / "trial-0007", files=files,
                      argv=(sys.executable, "train.py"), env={"HPO_TRIAL_NUMBER": "7"}, slot=Slot(0, (3,), 1, 2),
-                     token="tok", timeout=timeout, objective=objective)
+                     token=f"test:{os.getpid()}:{time.monotonic_ns()}", timeout=timeout, objective=objective)
 
 
 def test_a_trial_runs_in_its_folder_and_leaves_its_result_there(tmp_path: Path) -> None:
@@ -162,3 +164,53 @@ def test_a_failing_post_process_fails_the_trial(tmp_path: Path) -> None:
     parse = TrialFile("parse.py", b"raise SystemExit('parse.py: no results file')\n")
     result = LocalExecutor().run(spec(tmp_path, "print('done')\n", objective, extra=(parse,)), Control())
     assert result.outcome is Outcome.FAIL and result.reason.startswith("post_process exit code 1")
+
+
+def test_a_post_process_that_cannot_start_fails_the_trial_naming_it(tmp_path: Path) -> None:
+    objective = Objective(metric="val_error", post_process=("no-such-post-process-xyz",))
+    result = LocalExecutor().run(spec(tmp_path, "print('val_error=0.5')\n", objective), Control())
+    assert result.outcome is Outcome.FAIL
+    assert result.reason.startswith("cannot start no-such-post-process-xyz")
+
+
+class EndDuringPostProcess(Control):
+    """Asks to end the trial (``end``) once its post_process has written ``post-started``."""
+
+    def __init__(self, end: str, folder: Path) -> None:
+        super().__init__()
+        self.request = end
+        self.folder = folder
+
+    def end_request(self) -> str | None:
+        return self.request if (self.folder / "post-started").exists() else None
+
+
+@pytest.mark.parametrize(("request_", "outcome", "reason"), [
+    ("interrupted", Outcome.INTERRUPTED, "interrupted: the sweep was stopped; it runs again on resume"),
+    ("stopped", Outcome.STOPPED, "stopped by the user"),
+])
+def test_ending_the_trial_during_its_post_process_is_judged_as_during_the_command(
+        tmp_path: Path, request_: str, outcome: Outcome, reason: str) -> None:
+    objective = Objective(metric="val_error", post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"import time\nopen('post-started', 'w').close()\ntime.sleep(60)\n")
+    trial = spec(tmp_path, "print('val_error=0.5')\n", objective, extra=(parse,))
+    result = LocalExecutor().run(trial, EndDuringPostProcess(request_, trial.folder))
+    assert (result.outcome, result.reason) == (outcome, reason)
+    assert result.duration_s < 10
+
+
+def test_the_post_process_gets_what_is_left_of_the_trial_timeout(tmp_path: Path) -> None:
+    objective = Objective(metric="val_error", post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"import time\ntime.sleep(1.5)\nprint('val_error=0.5')\n")
+    trial = spec(tmp_path, "import time\ntime.sleep(0.8)\n", objective, timeout=1.5, extra=(parse,))
+    result = LocalExecutor().run(trial, Control())
+    assert (result.outcome, result.reason) == (Outcome.TIMEOUT, "killed after 1.5 s (resources.timeout)")
+    assert 1.5 <= result.duration_s < 2.4
+
+
+def test_a_post_process_exit_code_carries_its_error_line(tmp_path: Path) -> None:
+    objective = Objective(metric="val_error", held_out=("test_error",), post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"print('test_error=0.25')\nraise ValueError('no results file')\n")
+    result = LocalExecutor().run(spec(tmp_path, "print('done')\n", objective, extra=(parse,)), Control())
+    assert (result.outcome, result.reason) == (Outcome.FAIL, "post_process exit code 1: ValueError: no results file")
+    assert dict(result.held_out) == {"test_error": 0.25}
