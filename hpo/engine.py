@@ -105,13 +105,15 @@ def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
 
 def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | None) -> None:
     """Render a trial's templates in memory (the first design point, or the middle of the
-    space) and check the command; raise InputError for an undefined variable, a missing
-    program or script, before any trial runs."""
+    space) and check the command and post_process; raise InputError for an undefined
+    variable, a missing program or script, before any trial runs."""
     scenario = renderer.scenario
     sample = design[0] if design else space.from_unit(
         scenario.parameters, [0.5] * len(space.free_parameters(scenario.parameters)))
     renderer.render_texts(0, trial_folder(workdir, 0), sample)
     check_command(scenario.command, renderer.names)
+    if scenario.objective.post_process:
+        check_command(scenario.objective.post_process, renderer.names, field="objective.post_process")
 
 
 class _Running:

@@ -5,13 +5,15 @@ Each of ``resources.parallel`` slots owns ``gpus_per_trial`` GPUs, or a share of
 divided among all the slots of the machine, whichever worker process owns them. A
 trial's command is an argument list, never a shell string; under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
-runs in its own session; on timeout, stop or interrupt the whole tree is killed, and every
-process carries ``HPO_TRIAL_TOKEN`` so that orphans of a killed sweep can be found.
+runs in its own session; on timeout, stop or interrupt the whole tree is killed. Every
+process carries ``HPO_TRIAL_TOKEN``: when the trial's process ends, those that left its tree
+are killed by it, as are orphans of a killed sweep.
 """
 from __future__ import annotations
 
 import ctypes
 import difflib
+import itertools
 import os
 import shutil
 import signal
@@ -149,28 +151,53 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
     return out
 
 
-def check_command(command: Sequence[str], files: Sequence[str]) -> None:
-    """Raise InputError naming ``command`` unless its program exists (``python`` is this
-    interpreter; a relative path must be a file of the trial folder) and a script it runs
-    (the first ``.py`` argument, or what ``python`` runs) is a file of the trial folder or
-    an existing path. ``files`` are the trial folder's files before the run."""
+def check_command(command: Sequence[str], files: Sequence[str], field: str = "command") -> None:
+    """Raise InputError naming ``field`` unless ``command`` can run in the trial folder.
+
+    Its program must be ``python`` (this interpreter), a name on PATH, or a path to a file of
+    the trial folder (``./run.sh``) or an existing absolute path; the script it runs (what
+    ``python`` runs, else the first ``.py`` argument without whitespace that is not a ``-c``
+    string) must be a file of the trial folder or an existing absolute path. ``files`` are
+    the trial folder's files before the run.
+    """
     program = command[0]
-    if Path(program).name not in PYTHON_NAMES and not _exists(program, files) and not shutil.which(program):
-        raise InputError(f"command: program {program} not found (not on PATH, not a file of the trial folder)")
     if Path(program).name in PYTHON_NAMES:
-        script = ""
-        for arg in command[1:]:
-            if arg in ("-m", "-c"):
-                return
-            if not arg.startswith("-"):
-                script = arg
-                break
+        script = _python_script(command[1:])
     else:
-        script = next((arg for arg in command[1:] if arg.endswith(".py")), "")
+        if "/" in program and not _exists(program, files):
+            raise InputError(f"{field}: program {program} is neither a file of the trial folder nor an existing path")
+        if "/" not in program and not shutil.which(program):
+            if program in files:
+                raise InputError(f"{field}: {program} is not on PATH; write ./{program} to run the trial folder's file")
+            raise InputError(f"{field}: program {program} not found (not on PATH, not a file of the trial folder)")
+        script = next((arg for previous, arg in itertools.pairwise(command)
+                       if previous != "-c" and arg.endswith(".py") and not any(c.isspace() for c in arg)), None)
     if script and not _exists(script, files):
         close = difflib.get_close_matches(script, list(files), n=1)
         hint = f" (did you mean {close[0]}?)" if close else f" (the trial folder holds {', '.join(files) or 'no file'})"
-        raise InputError(f"command: {script} is neither a file of the trial folder nor an existing path{hint}")
+        raise InputError(f"{field}: {script} is neither a file of the trial folder nor an existing path{hint}")
+
+
+def _python_script(args: Sequence[str]) -> str | None:
+    """The script that python runs with ``args``; None for ``-c``, ``-m``, ``-`` (stdin) or none."""
+    rest = iter(args)
+    for arg in rest:
+        if arg == "--":
+            return next(rest, None)
+        if arg == "--check-hash-based-pycs":
+            next(rest, None)
+        elif arg.startswith("-") and arg != "-":
+            letters = "" if arg.startswith("--") else arg[1:]
+            for index, letter in enumerate(letters):
+                if letter in "cm":
+                    return None
+                if letter in "WX":  # its value is the rest of this argument, else the next one
+                    if index == len(letters) - 1:
+                        next(rest, None)
+                    break
+        else:
+            return None if arg == "-" else arg
+    return None
 
 
 def _exists(path: str, files: Sequence[str]) -> bool:
@@ -199,11 +226,10 @@ def build_argv(scenario: Scenario, values: Mapping[str, Any], processes: int, to
 
 def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
               base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a trial's processes on ``slot``."""
-    env = dict(os.environ if base is None else base)
-    env.update(extra)
-    env.update({TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(slot.threads),
-                "HPO_SLOT": str(slot.index)})
+    """The environment of a trial's processes on ``slot``: ``base`` (default: this process's),
+    the slot's ``OMP_NUM_THREADS``, then ``extra`` (which may set its own), then hpo's values."""
+    env = {**(os.environ if base is None else base), "OMP_NUM_THREADS": str(slot.threads), **extra}
+    env.update({TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "HPO_SLOT": str(slot.index)})
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus)) if slot.gpus else ""
     return env
 
@@ -264,10 +290,31 @@ def kill_tree(pid: int, grace_s: float = KILL_GRACE_S, child: subprocess.Popen[b
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    _, alive = psutil.wait_procs(others, timeout=grace_s)
+    alive = _wait_gone(others, grace_s)
     _signal_all(alive, kill=True)
-    psutil.wait_procs(alive, timeout=grace_s)
+    _wait_gone(alive, grace_s)
     _kill_group(pid)
+
+
+def _wait_gone(procs: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` for ``procs`` to exit, reaping our own children; return those
+    still running. A zombie has exited (an orphan's zombie waits for init to reap it)."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while alive:
+        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+        alive = [proc for proc in alive if not _zombie(proc)]
+        if time.monotonic() >= deadline:
+            break
+    return alive
+
+
+def _zombie(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has exited: gone, or a zombie."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def kill_by_token(token: str) -> int:
@@ -289,9 +336,11 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                 should_end: Callable[[], str | None]) -> ProcessResult:
     """Run ``argv`` in ``cwd``; stream its output to ``log_path`` and ``on_line``.
 
-    ``should_end`` is polled while it runs: a non-None answer (e.g. ``"stopped"``) ends the
-    process tree and becomes ``ended_by``, as does ``"timeout"``. The tree is always killed
-    before this returns, so no trial process outlives it.
+    ``should_end`` is polled every ``POLL_S`` while it runs: a non-None answer (e.g.
+    ``"stopped"``) ends the process tree and becomes ``ended_by``, as does ``"timeout"``
+    after ``timeout`` seconds. Once the process has ended, its tree and every process that
+    carries ``env``'s trial token are killed before this returns, so no trial process
+    outlives it. ``duration_s`` is how long the process ran.
     """
     start = time.monotonic()
     with log_path.open("ab", buffering=0) as log:
@@ -306,31 +355,41 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         reader.start()
         ended_by: str | None = None
         try:
-            while ended_by is None:
-                reader.join(timeout=POLL_S)
-                if proc.poll() is not None:
-                    break
+            while ended_by is None and not _exits_within(proc, POLL_S):
                 if timeout is not None and time.monotonic() - start > timeout:
                     ended_by = "timeout"
                 else:
                     ended_by = should_end()
-        except BaseException:
-            ended_by = "interrupted"
-            raise
         finally:
             if proc.poll() is None:
                 kill_tree(proc.pid, child=proc)
             else:
                 _kill_group(proc.pid)
+            duration = time.monotonic() - start
+            if TOKEN_ENV in env:
+                kill_by_token(env[TOKEN_ENV])
             reader.join(timeout=KILL_GRACE_S)
-    return ProcessResult(proc.returncode, ended_by, time.monotonic() - start, proc.pid)
+    return ProcessResult(proc.returncode, ended_by, duration, proc.pid)
+
+
+def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``proc`` to exit; whether it has."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _pump(proc: subprocess.Popen[bytes], log: Any, on_line: Callable[[str], None]) -> None:
+    """Copy ``proc``'s output to ``log`` and ``on_line`` until it ends or ``log`` is closed."""
     assert proc.stdout is not None
-    for raw in iter(proc.stdout.readline, b""):
-        log.write(raw)
-        try:
-            on_line(raw.decode("utf-8", errors="replace"))
-        except Exception as exc:  # a bad callback must not stop the log
-            log.write(f"hpo: could not handle an output line: {exc}\n".encode())
+    try:
+        for raw in iter(proc.stdout.readline, b""):
+            log.write(raw)
+            try:
+                on_line(raw.decode("utf-8", errors="replace"))
+            except Exception as exc:  # a bad callback must not stop the log
+                log.write(f"hpo: could not handle an output line: {exc}\n".encode())
+    except ValueError:  # run_process closed the log under a straggler that kept the pipe open
+        return

@@ -161,6 +161,10 @@ CASES = {
     # the same inputs through `hpo run`: rejected before any trial runs
     "run-csv-value-out-of-range": Case(("design.csv line 2, column x", "outside [0, 1]"), {"search": CSV_SEARCH},
                                        files={"design.csv": GOOD_CSV_HEADER + "7,a\n"}, args=("run", "{scenario}")),
+    "post-process-script-missing": Case(("objective.post_process", "prase.py is neither a file of the trial folder"),
+                                        {"objective": {"post_process": "python prase.py"}}),
+    "command-bare-name-of-a-trial-file": Case(("command", "train.py is not on PATH; write ./train.py"),
+                                              {"command": "train.py"}),
     "run-template-undefined-variable": Case(("train.py.j2 line 1", "'lr' is undefined"), template="{{ lr }}\n",
                                             args=("run", "{scenario}")),
 }

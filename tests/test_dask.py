@@ -274,7 +274,10 @@ class Control:
         return self.end if self.gpus is not None else None
 
 
-def trial_spec(folder: Path, code: str, token: str, timeout: float | None = 60) -> TrialSpec:
+def trial_spec(folder: Path, code: str, name: str, timeout: float | None = 60) -> TrialSpec:
+    """Trial 5 running ``code``; its token is unique, as a trial's is (processes carrying it
+    are killed when the trial ends, so two test runs must not share one)."""
+    token = f"{name}:{os.getpid()}:{time.monotonic_ns()}"
     return TrialSpec(number=5, params={}, folder=folder / "trial-0005", files=(TrialFile("train.py", code.encode()),),
                      argv=(sys.executable, "train.py"), env={}, slot=Slot(0, (), 1, 1), token=token, timeout=timeout,
                      objective=Objective(metric="val_error"))

@@ -111,18 +111,39 @@ def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
     (["python", "trian.py"], ("command: trian.py is neither a file of the trial folder nor an existing path "
                               "(did you mean train.py?)")),
     (["python", "evaluate.py"], ("command: evaluate.py is neither a file of the trial folder nor an existing path "
-                                 "(the trial folder holds train.py, helper.sh)")),
+                                 "(the trial folder holds train.py, helper.sh, sub/run.sh)")),
     (["no-such-program-xyz", "train.py"], "command: program no-such-program-xyz not found"),
     (["./helper.sh"], None),
     (["bash", "run.py"], "command: run.py is neither"),
+    (["python", "-W", "ignore", "train.py"], None),
+    (["python", "-X", "dev", "train.py"], None),
+    (["python", "-X", "dev", "-u", "train.py"], None),
+    (["python", "--check-hash-based-pycs", "never", "train.py"], None),
+    (["python", "-uW", "ignore", "train.py"], None),
+    (["python", "-Wignore", "-Xdev", "train.py"], None),
+    (["python", "-W", "ignore", "trian.py"], "command: trian.py is neither"),
+    (["python", "-uc", "print(1)"], None),
+    (["bash", "-c", "python train.py"], None),
+    (["bash", "-c", "python evaluate.py"], None),
+    (["bash", "-e", "run.py"], "command: run.py is neither"),
+    (["helper.sh"], "command: helper.sh is not on PATH; write ./helper.sh to run the trial folder's file"),
+    (["./missing.sh"], "command: program ./missing.sh is neither a file of the trial folder nor an existing path"),
+    (["sub/run.sh"], None),
 ])
 def test_check_command(command: list[str], problem: str | None) -> None:
     if problem is None:
-        check_command(command, ["train.py", "helper.sh"])
+        check_command(command, ["train.py", "helper.sh", "sub/run.sh"])
     else:
         with pytest.raises(InputError) as error:
-            check_command(command, ["train.py", "helper.sh"])
+            check_command(command, ["train.py", "helper.sh", "sub/run.sh"])
         assert str(error.value).startswith(problem)
+
+
+def test_check_command_names_the_field() -> None:
+    with pytest.raises(InputError, match=r"^objective.post_process: parse.py is not on PATH; write ./parse.py"):
+        check_command(["parse.py"], ["parse.py"], field="objective.post_process")
+    with pytest.raises(InputError, match=r"^objective.post_process: prase.py is neither .* \(did you mean parse.py\?\)"):
+        check_command(["python", "prase.py"], ["parse.py"], field="objective.post_process")
 
 
 def test_build_argv_does_not_change_its_input() -> None:
@@ -234,6 +255,12 @@ def test_detect_gpus_honours_the_override(value: str, expected: tuple[int, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(GPU_ENV, value)
     assert detect_gpus() == expected
+
+
+def test_the_scenario_env_sets_omp_num_threads() -> None:
+    env = trial_env(Slot(0, (), 1, 6), "tok", {"OMP_NUM_THREADS": "3"}, base={"OMP_NUM_THREADS": "8"})
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert trial_env(Slot(0, (), 1, 6), "tok", {}, base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "6"
 
 
 def test_trial_env() -> None:
@@ -385,3 +412,58 @@ def test_kill_by_token(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_trial_that_closes_its_output_does_not_spin_a_core(tmp_path: Path) -> None:
+    cpu = time.process_time()
+    result = run_process(["sh", "-c", "exec >/dev/null 2>&1; sleep 1.5"], tmp_path, dict(os.environ),
+                         tmp_path / "trial.log", 30, lambda line: None, lambda: None)
+    assert result.exit_code == 0 and result.duration_s >= 1.5
+    assert time.process_time() - cpu < 0.3
+
+
+DETACHED = """\
+    import subprocess, sys
+    code = "import sys, time\\nwhile True:\\n    print('still here', flush=True)\\n    time.sleep(0.02)"
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, env={env},
+                             stdout={stdout})
+    open("pids.txt", "w").write(str(child.pid))
+    print("detached", flush=True)
+"""
+
+
+def _kill(pid: int) -> None:
+    try:
+        psutil.Process(pid).kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
+@pytest.mark.parametrize("stdout", ["None", "subprocess.DEVNULL"], ids=["keeps-the-pipe", "own-output"])
+def test_a_detached_process_with_the_token_ends_with_the_trial(tmp_path: Path, stdout: str) -> None:
+    env = {**os.environ, TOKEN_ENV: f"test:{os.getpid()}:{time.monotonic_ns()}"}
+    start = time.monotonic()
+    result, lines = _run(tmp_path, DETACHED.format(env="None", stdout=stdout), env=env)
+    pid = int((tmp_path / "pids.txt").read_text())
+    try:
+        assert result.exit_code == 0 and result.ended_by is None
+        assert lines[0] == "detached\n"
+        assert result.duration_s < 2 and time.monotonic() - start < 3
+        assert _gone(pid, wait_s=0.5)
+    finally:
+        _kill(pid)
+
+
+def test_output_after_the_log_is_closed_is_dropped_quietly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("hpo.launch.KILL_GRACE_S", 0.2)
+    raised: list[Any] = []
+    monkeypatch.setattr("threading.excepthook", raised.append)
+    without_token = f"{{k: v for k, v in __import__('os').environ.items() if k != {TOKEN_ENV!r}}}"
+    env = {**os.environ, TOKEN_ENV: f"test:{os.getpid()}:{time.monotonic_ns()}"}
+    result, _ = _run(tmp_path, DETACHED.format(env=without_token, stdout="None"), env=env)
+    pid = int((tmp_path / "pids.txt").read_text())
+    try:
+        time.sleep(0.3)
+        assert result.exit_code == 0 and not raised
+    finally:
+        _kill(pid)
