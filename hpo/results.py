@@ -9,13 +9,18 @@ A trial reports metrics by printing lines to stdout. Four formats are understood
 * SMAC's wrapper line: ``Result of this algorithm run: SAT, 1.3, 0, 0.12, 1`` (status,
   runtime, runlength, quality, seed[, extra]); the quality becomes the objective metric
 
+Progress output that precedes a metric on its line is skipped: a line is read from its last
+carriage return on, past a leading tqdm-style bar (``epochs:  67%|██▋ | 2/3 [00:01<00:00]x=1``).
+
 A line whose metrics include ``step`` is an intermediate report (one per epoch, say) that a
-pruner may act on; any other line reports final values, and the last value of a key wins.
+pruner may act on; any other line reports final values, and the last value of a key wins. A
+metric reported only in intermediate reports takes its last intermediate value as final value.
 
 Scripts that cannot be edited are read with ``patterns``, a regular expression with one
-group per metric (``'Average loss: ([0-9.]+)'``), searched in every line; the last match
-wins. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets the current step: each match of the
-objective's pattern after it is also an intermediate value at that step.
+group per metric (``'Average loss: ([0-9.]+)'``), searched in every whole line (progress
+output included); the last match wins. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets
+the current step: each match of the objective's pattern after it is also an intermediate
+value at that step.
 
 :func:`last_error_line` and :func:`out_of_gpu_memory` read a failed trial's last output
 lines for the line that says why it failed.
@@ -41,9 +46,13 @@ RESERVED_ATTRS = frozenset({"outcome", "reason", "duration_s", "folder", "worker
                             "retry_of", "requeue_of", "retries", "design_index", "lost_count"})
 """User attributes that hpo writes on every trial; no held-out metric may take one of these names."""
 ERROR_LINE_CHARS = 200
-_PAIR_NAME = r"[A-Za-z_][\w.\-/]*"
-_PAIRS = re.compile(rf"({_PAIR_NAME})\s*=\s*(\S+)")
-_TAB_PAIR = re.compile(r"^([A-Za-z_][\w.\-/ ]*?)[ ]*\t[\t ]*(\S+)$")
+_NAME_CHAR = r"[\w.\-/]"
+# A name begins where no name character precedes it, and a tab pair's name ends in a name
+# character: either way one split of the line is tried, so both take linear time.
+_PAIRS = re.compile(rf"(?<!{_NAME_CHAR})([A-Za-z_]{_NAME_CHAR}*)\s*=\s*(\S+)")
+_TAB_PAIR = re.compile(rf"^([A-Za-z_](?:[\w.\-/ ]*{_NAME_CHAR})?)[ ]*\t[\t ]*(\S+)$")
+_PROGRESS_BAR = re.compile(  # tqdm's "desc:  67%|██▋ | 2/3 [00:01<00:00, 1.9it/s]"
+    r"^[^|]*\d%\|[^|]*\|\s*\d[\w.]*/\d[\w.]*(?:\s*\[[^\]]*\])?")
 
 
 def report(step: int | None = None, file: TextIO | None = None, **metrics: float) -> None:
@@ -80,8 +89,9 @@ class MetricLine:
 class Metrics:
     """Everything a trial's output reported, as the parser saw it so far.
 
-    ``final`` holds the last value of each metric; ``intermediate`` the per-step reports in
-    order; ``invalid`` the metrics whose last report was not a number (as printed).
+    ``final`` holds the last final value of each metric, or its last intermediate value if it
+    had no final report; ``intermediate`` the per-step reports in order; ``invalid`` the
+    metrics whose last such report was not a number (as printed).
     """
 
     final: Mapping[str, float] = field(default_factory=dict)
@@ -113,6 +123,17 @@ def _split(pairs: Iterable[tuple[str, str]]) -> _Parsed:
     return values, invalid
 
 
+def _record(numbers: dict[str, float], texts: dict[str, str], values: Mapping[str, float],
+            invalid: Mapping[str, str]) -> None:
+    """Add a report's values and non-numbers to ``numbers`` and ``texts``: a key's last report wins."""
+    numbers.update(values)
+    for key in values:
+        texts.pop(key, None)
+    for key in invalid:
+        numbers.pop(key, None)
+    texts.update(invalid)
+
+
 def _parse_json(line: str) -> _Parsed | None:
     try:
         obj = json.loads(line)
@@ -131,6 +152,8 @@ def _parse_json(line: str) -> _Parsed | None:
 
 
 def _parse_pairs(line: str) -> _Parsed | None:
+    if "=" not in line:
+        return None
     pairs = _PAIRS.findall(line)
     if not pairs or _PAIRS.sub("", line).strip(" \t,;") != "":
         return None
@@ -140,6 +163,13 @@ def _parse_pairs(line: str) -> _Parsed | None:
 def _parse_tab_pair(line: str) -> _Parsed | None:
     match = _TAB_PAIR.match(line)
     return _split([(match.group(1), match.group(2))]) if match else None
+
+
+def _after_progress(text: str) -> str:
+    """``text`` from its last carriage return on, past a leading tqdm-style progress bar, stripped."""
+    text = text.rpartition("\r")[2]
+    bar = _PROGRESS_BAR.match(text) if "%|" in text else None
+    return text[bar.end() if bar else 0:].strip()
 
 
 def _parse_formats(line: str) -> _Parsed | None:
@@ -191,6 +221,8 @@ class MetricParser:
         self._final: dict[str, float] = {}
         self._intermediate: list[tuple[int, Mapping[str, float]]] = []
         self._invalid: dict[str, str] = {}
+        self._last_step: dict[str, float] = {}
+        self._last_step_invalid: dict[str, str] = {}
         self._smac_status: str | None = None
         self._smac_extra = ""
 
@@ -198,21 +230,22 @@ class MetricParser:
         """Parse one line; return what it reported, or None for an ordinary log line.
 
         The returned line has a ``step`` when it is an intermediate report: a line with a
-        ``step`` key (intermediate only), or an objective pattern match after a step
-        pattern match (intermediate at that step, and the final value so far).
+        ``step`` key, or an objective pattern match after a step pattern match (also a final
+        value).
         """
         text = line.strip()
         if not text:
             return None
         self._match_step(text)
-        smac = parse_smac_line(text, self._quality_name)
+        shown = _after_progress(text)
+        smac = parse_smac_line(shown, self._quality_name)
         if smac is not None:
             self._smac_status = smac.smac_status
-            self._record_final(dict(smac.values), {})
-            fields = text.split(",", 5)
+            _record(self._final, self._invalid, smac.values, {})
+            fields = shown.split(",", 5)
             self._smac_extra = fields[5].strip() if len(fields) > 5 else ""
             return smac
-        values, invalid = _parse_formats(text) or ({}, {})
+        values, invalid = _parse_formats(shown) or ({}, {})
         matched, unmatched = self._match_patterns(text)
         values.update(matched)
         invalid.update(unmatched)
@@ -222,8 +255,9 @@ class MetricParser:
         if math.isfinite(reported_step):
             step = int(reported_step)
             self._intermediate.append((step, dict(values)))
+            _record(self._last_step, self._last_step_invalid, values, invalid)
             return MetricLine(values=values, step=step)
-        self._record_final(values, invalid)
+        _record(self._final, self._invalid, values, invalid)
         if self._step is not None and self._quality_name in matched:
             self._intermediate.append((self._step, dict(values)))
             return MetricLine(values=values, step=self._step)
@@ -243,20 +277,16 @@ class MetricParser:
                 found.append((name, match.group(1)))
         return _split(found)
 
-    def _record_final(self, values: dict[str, float], invalid: dict[str, str]) -> None:
-        self._final.update(values)
-        for key in values:
-            self._invalid.pop(key, None)
-        for key in invalid:
-            self._final.pop(key, None)
-        self._invalid.update(invalid)
-
     def metrics(self) -> Metrics:
-        """A snapshot of everything reported so far."""
+        """A snapshot of everything reported so far (see :class:`Metrics`)."""
+        final = {key: value for key, value in self._last_step.items() if key not in self._invalid}
+        final.update(self._final)
+        invalid = {key: text for key, text in self._last_step_invalid.items() if key not in self._final}
+        invalid.update(self._invalid)
         return Metrics(
-            final=dict(self._final),
+            final=final,
             intermediate=tuple(self._intermediate),
-            invalid=dict(self._invalid),
+            invalid=invalid,
             smac_status=self._smac_status,
             smac_extra=self._smac_extra,
         )

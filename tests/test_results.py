@@ -1,8 +1,10 @@
-"""Metric lines (every format, patterns, the writer round trip), error lines of failed trials, objective checks."""
+"""Metric lines (every format, progress bars, patterns, the writer round trip), error lines of failed trials,
+objective checks."""
 from __future__ import annotations
 
 import io
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import pytest
 
 from hpo.errors import InputError
+from hpo.executor import judge
 from hpo.results import (
     ERROR_LINE_CHARS,
     RESERVED_ATTRS,
@@ -21,7 +24,7 @@ from hpo.results import (
     parse_text,
     report,
 )
-from hpo.scenario import load_scenario
+from hpo.scenario import Objective, load_scenario
 
 WriteScenario = Callable[..., Path]
 NAN = float("nan")
@@ -80,6 +83,11 @@ ORDINARY_LINES = [
     "1\t0.5",
     "epoch\tloss\tacc",
     "\t0.5",
+    "epochs:  67%|██████▋   | 2/3 [00:00<00:00, 19.14it/s] lr=0.1 is too high",
+    "progress: 67% val_error=0.3",
+    "Epoch 2 | 67% | val_error=0.3",
+    "67%|██████▋   | val_error=0.3",
+    "val_error=0.3\rEpoch 1 done",
 ]
 
 
@@ -92,12 +100,8 @@ def test_each_format_is_parsed(line: str, values: dict[str, float], step: int | 
     assert reported.step == step
     assert reported.smac_status == status
     metrics = parser.metrics()
-    if step is None:
-        assert dict(metrics.final) == pytest.approx(values)
-        assert metrics.intermediate == ()
-    else:
-        assert metrics.final == {}
-        assert metrics.intermediate == ((step, pytest.approx(values)),)
+    assert dict(metrics.final) == pytest.approx(values)
+    assert metrics.intermediate == (() if step is None else ((step, pytest.approx(values)),))
     assert metrics.smac_status == status
 
 
@@ -133,8 +137,128 @@ done
 """
     metrics = parse_text(text, "val_error")
     assert metrics.intermediate == ((0, {"val_error": 0.9}), (1, {"val_error": 0.5, "train_loss": 0.4}))
-    assert metrics.final == {"val_error": 0.3, "test_error": 0.33}
+    assert metrics.final == {"val_error": 0.3, "test_error": 0.33, "train_loss": 0.4}
     assert metrics.invalid == {}
+
+
+def test_a_metric_reported_only_per_step_takes_its_last_step_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    out = io.StringIO()
+    for epoch, error in enumerate([0.5, 0.25, 0.375], start=1):  # the README's hpo.train loop
+        report(step=epoch, file=out, val_error=error)
+    metrics = parse_text(out.getvalue(), "val_error")
+    assert metrics.final == {"val_error": 0.375}
+    assert [step for step, _ in metrics.intermediate] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("lines", "final", "invalid"),
+    [
+        pytest.param(['{"step": 1, "val_error": 0.5, "lr": 0.1}', '{"step": 2, "val_error": 0.4}', "test_error=0.3"],
+                     {"val_error": 0.4, "lr": 0.1, "test_error": 0.3}, {}, id="each-metric-its-last-step"),
+        pytest.param(["val_error=0.2", '{"step": 3, "val_error": 0.4}'], {"val_error": 0.2}, {},
+                     id="a-final-report-wins-over-a-later-step"),
+        pytest.param(['{"step": 1, "val_error": 0.5}', "val_error=abc"], {}, {"val_error": "abc"},
+                     id="a-final-non-number-wins"),
+        pytest.param(['{"step": 1, "val_error": 0.5}', '{"step": 2, "val_error": null}'], {}, {"val_error": "null"},
+                     id="a-last-step-non-number"),
+        pytest.param(['{"step": 1, "val_error": null}', '{"step": 2, "val_error": 0.5}'], {"val_error": 0.5}, {},
+                     id="a-step-number-after-a-non-number"),
+    ],
+)
+def test_the_last_step_value_is_final_unless_a_final_report_came(lines: list[str], final: dict[str, float],
+                                                                  invalid: dict[str, str]) -> None:
+    metrics = parse_text("\n".join(lines), "val_error")
+    assert metrics.final == final
+    assert metrics.invalid == invalid
+
+
+@pytest.mark.parametrize(
+    ("text", "outcome", "value", "held_out", "reason"),
+    [
+        pytest.param('{"step": 1, "val_error": 0.5, "test_error": 0.6}\n{"step": 2, "val_error": 0.25, "test_error": 0.5}',
+                     "COMPLETE", 0.25, {"test_error": 0.5}, "", id="complete"),
+        pytest.param('{"step": 1, "val_error": 0.5}\n{"step": 2, "val_error": NaN}', "FAIL", None, {},
+                     "val_error is nan", id="non-finite-last-step"),
+        pytest.param('{"step": 1, "val_error": 0.5, "test_error": Infinity}', "COMPLETE", 0.5, {}, "",
+                     id="non-finite-held-out-dropped"),
+    ],
+)
+def test_the_judge_reads_the_last_step_values_as_final(text: str, outcome: str, value: float | None,
+                                                       held_out: dict[str, float], reason: str) -> None:
+    objective = Objective(metric="val_error", held_out=("test_error",))
+    result = judge(parse_text(text, "val_error"), objective, 0, None, text.splitlines(), 1.0, None)
+    assert (result.outcome.value, result.value, dict(result.held_out), result.reason) == (
+        outcome, value, held_out, reason)
+
+
+# tqdm 4.70 on stderr merged with the script's prints on stdout: a bar's carriage return and text precede the print
+TQDM_OUTPUT = """\
+\repochs:   0%|          | 0/3 [00:00<?, ?it/s]val_error=1.000
+val_error=0.500
+\repochs:  67%|██████▋   | 2/3 [00:00<00:00, 19.14it/s]val_error=0.333
+\repochs: 100%|██████████| 3/3 [00:00<00:00, 19.37it/s]
+"""
+
+
+def test_a_metric_after_a_progress_bar_is_read() -> None:
+    assert parse_text(TQDM_OUTPUT, "val_error").final == {"val_error": 0.333}
+
+
+# line -> (values, step)
+PROGRESS_CASES = [
+    pytest.param('\r  0%|          | 0/2 [00:00<?, ?it/s]{"step": 2, "val_error": 0.5}', {"val_error": 0.5}, 2,
+                 id="json-step"),
+    pytest.param("\r  0%|          | 0/2 [00:00<?, ?it/s, loss=0.1]val_error=0.25", {"val_error": 0.25}, None,
+                 id="postfix"),
+    pytest.param("\r100%|##########| 2/2 [00:00<00:00, 19.94it/s]\r                         \r\r  0%|          | "
+                 "0.00/2.00k [00:00<?, ?B/s]val_error=0.2", {"val_error": 0.2}, None, id="ascii-cleared-unit-scale"),
+    pytest.param("\r 50%|█████     | 1/2 [00:00<00:00,  9.90it/s]   val_error\t0.125", {"val_error": 0.125}, None,
+                 id="padded-tab-pair"),
+    pytest.param("100%|██████████| 3/3 val_error=0.2 test_error=0.3", {"val_error": 0.2, "test_error": 0.3}, None,
+                 id="bar-without-times"),
+    pytest.param("loading 3 files\rval_error=0.3", {"val_error": 0.3}, None, id="after-a-carriage-return"),
+    pytest.param("\r100%|██████████| 3/3 [00:01<00:00]Result of this algorithm run: SAT, 1.5, 0, 0.12, 1",
+                 {"runtime": 1.5, "val_error": 0.12}, None, id="smac"),
+]
+
+
+@pytest.mark.parametrize(("line", "values", "step"), PROGRESS_CASES)
+def test_progress_output_before_a_metric_is_skipped(line: str, values: dict[str, float], step: int | None) -> None:
+    reported = MetricParser("val_error").feed(line + "\n")
+    assert reported is not None
+    assert (dict(reported.values), reported.step) == (values, step)
+
+
+def test_patterns_still_search_the_whole_line() -> None:
+    text = "Epoch 2\r 50%|█████     | 1/2 [00:00<00:00, loss=0.25]\nloss 0.5\r 50%|█████     | 1/2 [00:00<00:00]"
+    metrics = parse_text(text, "loss", {"loss": r"loss[ =]([0-9.]+)"}, r"Epoch (\d+)")
+    assert metrics.intermediate == ((2, {"loss": 0.25}), (2, {"loss": 0.5}))
+    assert metrics.final == {"loss": 0.5}
+
+
+# Lines of 200,000 characters, parsed in linear time (the old key=value and tab-pair expressions took minutes).
+LONG = 200_000
+
+
+@pytest.mark.parametrize(
+    ("line", "final"),
+    [
+        pytest.param("a" * LONG, {}, id="a-long-word"),
+        pytest.param("a" * LONG + "=1", {"a" * LONG: 1.0}, id="a-long-name"),
+        pytest.param("a" + " " * LONG + "=1", {"a": 1.0}, id="spaces-before-equals"),
+        pytest.param("a " * (LONG // 2) + "b", {}, id="many-words"),
+        pytest.param("a" + " " * LONG + "\t1", {"a": 1.0}, id="spaces-before-a-tab"),
+        pytest.param("a" + " " * LONG + "\t1 2", {}, id="spaces-before-a-tab-then-two-words"),
+        pytest.param("\r 50%|" + "█" * LONG + "| 1/2 [00:00<00:00]val_error=0.5", {"val_error": 0.5}, id="a-long-bar"),
+        pytest.param("9%|" * (LONG // 3), {}, id="many-bar-starts"),
+    ],
+)
+def test_long_lines_are_parsed_quickly(line: str, final: dict[str, float]) -> None:
+    start = time.perf_counter()
+    metrics = parse_text(line, "val_error")
+    assert time.perf_counter() - start < 2.0
+    assert metrics.final == final
 
 
 @pytest.mark.parametrize(
@@ -169,8 +293,9 @@ def test_non_finite_numbers_are_parsed(text: str, value: float) -> None:
     [
         ({"val_error": 0.125}, {"val_error": 0.125}, ()),
         ({"val_error": 1, "test_error": 2.5e-7}, {"val_error": 1.0, "test_error": 2.5e-7}, ()),
-        ({"step": 4, "val_error": 0.3, "train_loss": 1.25}, {}, ((4, {"val_error": 0.3, "train_loss": 1.25}),)),
-        ({"step": 0, "val_error": 0.1}, {}, ((0, {"val_error": 0.1}),)),
+        ({"step": 4, "val_error": 0.3, "train_loss": 1.25}, {"val_error": 0.3, "train_loss": 1.25},
+         ((4, {"val_error": 0.3, "train_loss": 1.25}),)),
+        ({"step": 0, "val_error": 0.1}, {"val_error": 0.1}, ((0, {"val_error": 0.1}),)),
         ({"val_error": INF}, {"val_error": INF}, ()),
         ({"val_error": 1 / 3}, {"val_error": 1 / 3}, ()),
     ],
