@@ -472,6 +472,15 @@ class Scenario(_Frozen):
     def _split_command(cls, value: Any) -> Any:
         return _shell_split(value)
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value: Any) -> Any:
+        """``env: {OMP_NUM_THREADS: 4}`` means the text ``4``; true/false stay an error."""
+        if not isinstance(value, dict):
+            return value
+        return {key: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                for key, v in value.items()}
+
     @model_validator(mode="after")
     def _check(self) -> Scenario:
         if not self.parameters:

@@ -217,3 +217,10 @@ def test_parameters_whose_conditions_exclude_each_other_may_share_a_flag(tmp_pat
 def test_a_path_may_start_with_the_home_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scenario = load_scenario(write_scenario(tmp_path, data_dir="~/hpo-data"))
     assert scenario.data_dir == Path.home().resolve() / "hpo-data"
+
+
+def test_env_numbers_are_their_text(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, env={"OMP_NUM_THREADS": 4, "LR_SCALE": 0.5}))
+    assert scenario.env == {"OMP_NUM_THREADS": "4", "LR_SCALE": "0.5"}
+    with pytest.raises(InputError, match="env.FLAG: Input should be a valid string"):
+        load_scenario(write_scenario(tmp_path, env={"FLAG": True}))
