@@ -30,6 +30,7 @@ from hpo.errors import InputError
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT = 0, 1, 2
 STATUS_ROWS = 20
+TAIL_WAIT_S = 30
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +58,38 @@ def _context(args: argparse.Namespace) -> Context:
     storage = storage_url(scenario, args.storage, workdir)
     check_url(storage)
     return Context(scenario, workdir, storage)
+
+
+def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> Context:
+    """The context of a command that writes trial folders: its workdir is created here, so
+    that one that cannot be is named as such (not as the default store's folder); with
+    ``existing_study``, an InputError first if the study does not exist."""
+    ctx = _context(args)
+    if existing_study:
+        _store(ctx)
+    flag = "--workdir" if args.workdir else "workdir"
+    _made_folder(ctx.workdir, flag)
+    _claim_workdir(ctx, flag)
+    return ctx
+
+
+WORKDIR_OWNER = ".hpo-study"
+
+
+def _claim_workdir(ctx: Context, flag: str) -> None:
+    """Mark the workdir as the folder of this study's trials; an InputError if another study
+    marked it first (trial folders are named by number alone, so two studies would overwrite
+    each other's)."""
+    marker = ctx.workdir / WORKDIR_OWNER
+    name = ctx.scenario.name
+    try:
+        owner = marker.read_text().strip()
+    except FileNotFoundError:
+        marker.write_text(name + "\n")
+        return
+    if owner != name:
+        raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {owner}; "
+                         f"give study {name} a folder of its own")
 
 
 def _store(ctx: Context) -> Any:
@@ -116,13 +149,13 @@ class _Signals:
 
 
 def _plan(ctx: Context, at_least: int = 1, parallel: int | None = None, gpus: str | None = None) -> tuple[Any, ...]:
-    from hpo.launch import detect_gpus, plan_slots
+    from hpo.launch import detect_gpus, gpu_ids, plan_slots
 
     updates: dict[str, Any] = {}
     if parallel is not None:
         updates["parallel"] = parallel
     if gpus is not None:
-        updates["gpus"] = tuple(int(g) for g in gpus.split(",") if g.strip())
+        updates["gpus"] = gpu_ids(gpus, "--gpus")
     return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least)
 
 
@@ -193,7 +226,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the sweep to the end (resumable); --workers K runs K optimizer processes."""
-    ctx = _context(args)
+    ctx = _writing_context(args)
     executor = _cluster(ctx, args)
     slots = executor.plan(at_least=args.workers) if executor else _plan(ctx, at_least=args.workers)
     if args.workers == 1:
@@ -257,7 +290,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
     from hpo.launch import Slot
 
-    ctx = _context(args)
+    ctx = _writing_context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
     executor = _cluster(ctx, args)
     if args.slots:
@@ -274,6 +307,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    class _PipeConsole(Console):
+        """A reader that closed the pipe (``| head``) ends the command with exit 0, as
+        ``hpo export`` does; rich's own handling exits 1."""
+
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
     from hpo import designs
     from hpo.progress import format_params, summary_line, tally
 
@@ -281,7 +321,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     scenario = ctx.scenario
     rows = _snapshot(ctx)
     summary = tally(rows, designs.total_trials(scenario), scenario.objective.direction)
-    console = Console() if sys.stdout.isatty() else Console(width=400)
+    console = _PipeConsole() if sys.stdout.isatty() else _PipeConsole(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
     names = _param_columns(scenario, rows, constants=False)
     table = Table(title=f"{scenario.name}: trials {shown[0].number}-{shown[-1].number} of {len(rows)}"
@@ -420,10 +460,16 @@ def cmd_tail(args: argparse.Namespace) -> int:
     row = next((r for r in store.rows([store.trial(args.trial)])), None)
     assert row is not None
     log = Path(row.folder or trial_folder(ctx.workdir, args.trial)) / LOG_FILE
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + TAIL_WAIT_S
+    if not log.exists() and not row.outcome.ended:
+        print(f"hpo: trial {args.trial} is {row.outcome.value}: following its log once it starts "
+              f"(up to {TAIL_WAIT_S} s)", file=sys.stderr, flush=True)
     while not log.exists():
-        if row.outcome.ended or time.monotonic() > deadline:
+        if row.outcome.ended:
             raise InputError(f"trial {args.trial}: no log at {log}")
+        if time.monotonic() > deadline:
+            raise InputError(f"trial {args.trial}: it has not started within {TAIL_WAIT_S} s "
+                             "(is a sweep running?)")
         time.sleep(0.2)
     with log.open("rb") as handle:
         while True:
@@ -457,9 +503,10 @@ def cmd_best(args: argparse.Namespace) -> int:
         raise InputError(f"--copy-to: {target} exists and is not empty")
     best = best_row(_snapshot(ctx), ctx.scenario.objective.direction)
     if best is None:
-        print("no completed trial yet", file=sys.stderr)
-        return EXIT_ERROR
+        raise InputError(f"study {ctx.scenario.name}: no completed trial yet")
     if target is not None:
+        if not best.folder or not Path(best.folder).is_dir():
+            raise InputError(f"--copy-to: trial {best.number}'s folder {best.folder or '(none)'} is gone")
         _made_folder(target, "--copy-to")
     held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
@@ -508,7 +555,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     """
     from hpo.engine import Sweep
 
-    ctx = _context(args)
+    ctx = _writing_context(args, existing_study=True)
     slots = _plan(ctx, parallel=1)
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()
@@ -631,6 +678,7 @@ def _best_args(parser: argparse.ArgumentParser) -> None:
 def _rerun_args(parser: argparse.ArgumentParser) -> None:
     _trial_arg(parser)
     parser.add_argument("--seed", type=_seed, help="the rerun's trial_seed (default: the original trial's)")
+    _space_arg(parser)
 
 
 def _dashboard_args(parser: argparse.ArgumentParser) -> None:

@@ -62,11 +62,23 @@ class Slot:
         return f"{what} on GPU{'s' if len(self.gpus) > 1 else ''} {ids}"
 
 
+def gpu_ids(text: str, field: str) -> tuple[int, ...]:
+    """The GPU ids of a comma-separated list (``0,1``; empty: none); InputError naming ``field``
+    for anything but distinct whole numbers of 0 or more."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(part.isdigit() for part in parts):
+        raise InputError(f"{field}: {text!r} is not a comma-separated list of GPU ids (whole numbers, e.g. 0,1)")
+    ids = tuple(int(part) for part in parts)
+    if len(set(ids)) < len(ids):
+        raise InputError(f"{field}: GPU ids must be unique, got {text}")
+    return ids
+
+
 def detect_gpus() -> tuple[int, ...]:
     """GPU ids of this machine: ``HPO_GPUS`` if set (e.g. ``0,1`` or empty), else nvidia-smi."""
     forced = os.environ.get(GPU_ENV)
     if forced is not None:
-        return tuple(int(part) for part in forced.replace(" ", "").split(",") if part)
+        return gpu_ids(forced, GPU_ENV)
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10, check=True).stdout

@@ -306,17 +306,40 @@ def importance_data(study: optuna.Study, params: list[str], metric: str, axis: V
     from optuna.trial import TrialState
 
     evaluator = FanovaImportanceEvaluator(n_trees=FANOVA_TREES, max_depth=FANOVA_DEPTH, seed=seed)
+    completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            found = get_param_importances(study, evaluator=evaluator, params=params,
+            found = get_param_importances(_one_space(completed, params), evaluator=evaluator, params=params,
                                           target=lambda t: axis.target(float(t.value)))
         except (ValueError, RuntimeError, ZeroDivisionError):
             return None
     ranked = sorted(found.items(), key=lambda item: -item[1])
-    trials = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    trials = len(completed)
     return Importances(tuple(n for n, _ in ranked), tuple(float(v) for _, v in ranked), axis.target_label(metric),
                        trials)
+
+
+def _one_space(trials: Sequence[optuna.trial.FrozenTrial], params: list[str]) -> optuna.Study:
+    """An in-memory study of ``trials`` (their ``params`` and values) in one search space, the
+    union of theirs: fANOVA refuses trials whose ranges or choices differ, as they do once a
+    study is resumed with a widened range or an added choice."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    union: dict[str, optuna.distributions.BaseDistribution] = {}
+    for name in params:
+        seen = [t.distributions[name] for t in trials]
+        if all(isinstance(d, CategoricalDistribution) for d in seen):
+            union[name] = CategoricalDistribution(list(dict.fromkeys(c for d in seen for c in d.choices)))
+        else:
+            widest = max(seen, key=lambda d: d.high - d.low)
+            union[name] = type(widest)(**{**vars(widest), "low": min(d.low for d in seen),
+                                          "high": max(d.high for d in seen)})
+    copy = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    copy.add_trials([optuna.trial.create_trial(params={n: t.params[n] for n in params}, distributions=union,
+                                               value=t.value) for t in trials])
+    return copy
 
 
 @contextlib.contextmanager

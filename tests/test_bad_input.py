@@ -165,6 +165,8 @@ CASES = {
                                         {"objective": {"post_process": "python prase.py"}}),
     "command-bare-name-of-a-trial-file": Case(("command", "train.py is not on PATH; write ./train.py"),
                                               {"command": "train.py"}),
+    "run-workdir-that-cannot-be-made": Case(("--workdir", "cannot create the folder /proc/hpo-workdir"),
+                                            args=("run", "{scenario}", "--workdir", "/proc/hpo-workdir")),
     "run-template-undefined-variable": Case(("train.py.j2 line 1", "'lr' is undefined"), template="{{ lr }}\n",
                                             args=("run", "{scenario}")),
 }

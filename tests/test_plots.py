@@ -347,3 +347,19 @@ def test_draw_all_reads_the_rows_from_the_study_when_not_given(tmp_path: Path) -
     paths = draw_all(study, scenario(held_out=()), tmp_path)
     assert {p.name for p in paths} >= {"history.png", "states.png"}
 
+
+
+def test_importances_cover_a_study_resumed_with_a_widened_range_and_an_added_choice() -> None:
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    rng = random.Random(0)
+    for number in range(12):
+        widened = number >= 6
+        distributions = {"x": FloatDistribution(0.0, 1.0), "k": IntDistribution(1, 9 if widened else 5),
+                         "c": CategoricalDistribution(["a", "b", "c"] if widened else ["a", "b"])}
+        params = {"x": rng.random(), "k": rng.randint(1, distributions["k"].high),
+                  "c": rng.choice(distributions["c"].choices)}
+        study.add_trial(create_trial(params=params, distributions=distributions, value=params["x"] ** 2))
+    axis = value_axis([t.value for t in study.trials])
+    assert axis is not None
+    data = importance_data(study, ["x", "k", "c"], "val_error", axis, seed=1)
+    assert data is not None and data.params[0] == "x" and data.trials == 12

@@ -1,0 +1,69 @@
+"""The commands around a sweep, through the real CLI: what they do with a study that lacks
+something (a completed trial, a folder, the study itself), a closed pipe, a shared workdir."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import cli_env, run_hpo
+
+WriteScenario = Callable[..., Path]
+
+
+def test_status_into_a_closed_pipe_exits_0(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path, search={"method": "monte_carlo", "trials": 30, "seed": 1})
+    assert run_hpo("run", scenario).returncode == 0
+    status = subprocess.Popen([sys.executable, "-m", "hpo", "status", str(scenario), "--all"], env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert status.stdout is not None and status.stdout.readline()
+    status.stdout.close()
+    assert status.wait(timeout=60) == 0
+    assert status.stderr is not None and status.stderr.read() == b""
+
+
+def test_two_studies_may_not_share_a_workdir(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    first = write_scenario(tmp_path / "a")
+    second = write_scenario(tmp_path / "b", name="other")
+    workdir = tmp_path / "shared"
+    assert run_hpo("run", first, "--workdir", workdir).returncode == 0
+    refused = run_hpo("run", second, "--workdir", workdir)
+    assert refused.returncode == 2
+    assert refused.stderr == f"error: --workdir: {workdir} holds the trial folders of study demo; " \
+                             "give study other a folder of its own\n"
+    assert run_hpo("run", first, "--workdir", workdir).returncode == 0
+
+
+def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    failing = write_scenario(tmp_path / "failing", template_text="raise SystemExit(3)\n")
+    assert run_hpo("run", failing).returncode == 0
+    none = run_hpo("best", failing)
+    assert (none.returncode, none.stderr) == (2, "error: study demo: no completed trial yet\n")
+    scenario = write_scenario(tmp_path / "gone")
+    assert run_hpo("run", scenario).returncode == 0
+    for folder in (tmp_path / "gone" / "runs" / "demo").glob("trial-*"):
+        shutil.rmtree(folder)
+    copy = tmp_path / "copy"
+    gone = run_hpo("best", scenario, "--copy-to", copy)
+    assert gone.returncode == 2 and "--copy-to: trial" in gone.stderr and "is gone" in gone.stderr
+    assert not copy.exists()
+
+
+def test_a_rerun_never_creates_a_study(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path)
+    rerun = run_hpo("rerun", scenario, "0")
+    assert rerun.returncode == 2 and "no study named demo" in rerun.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gpu_lists_are_checked(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path)
+    worker = run_hpo("worker", scenario, "--gpus", "0,x")
+    assert (worker.returncode, worker.stderr) == (
+        2, "error: --gpus: '0,x' is not a comma-separated list of GPU ids (whole numbers, e.g. 0,1)\n")
+    env = {**cli_env(), "HPO_GPUS": "1,1"}
+    validate = subprocess.run([sys.executable, "-m", "hpo", "validate", str(scenario)], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert (validate.returncode, validate.stderr) == (2, "error: HPO_GPUS: GPU ids must be unique, got 1,1\n")
