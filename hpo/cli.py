@@ -525,6 +525,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from hpo.engine import preflight
     from hpo.render import Renderer
     from hpo.storage import optuna_url, reach
+    from hpo.store import check_resume
 
     ctx = _context(args)
     scenario = ctx.scenario
@@ -534,6 +535,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     where = describe_plan(_plan(ctx)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
     reach(ctx.storage, create=False)
+    _quiet_optuna()
+    check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
     print(f"ok: {scenario.name}: {len(scenario.parameters)} parameters, method {scenario.search.method}, "
           f"{budget} trials, {where}")
     print(f"store: {optuna_url(ctx.storage)}")
@@ -615,10 +618,6 @@ class Command:
     name: str
     run: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None]
-
-
-def _no_args(parser: argparse.ArgumentParser) -> None:
-    return None
 
 
 def _trial_arg(parser: argparse.ArgumentParser) -> None:
@@ -720,7 +719,7 @@ COMMANDS = (
     Command("export", cmd_export, _export_args),
     Command("plot", cmd_plot, _plot_args),
     Command("best", cmd_best, _best_args),
-    Command("validate", cmd_validate, _no_args),
+    Command("validate", cmd_validate, _space_arg),
     Command("rerun", cmd_rerun, _rerun_args),
     Command("dashboard", cmd_dashboard, _dashboard_args),
 )

@@ -38,8 +38,7 @@ from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
 from hpo.scheduler import Claim, Scheduler
-from hpo.spacecheck import space_change
-from hpo.store import STUDY_PARAMETERS, SYS_STARTED, StudyStore, scenario_text
+from hpo.store import SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
 
 
@@ -185,12 +184,7 @@ class Sweep:
         store = self.store
 
         def section() -> None:
-            recorded = store.user_attrs.get(STUDY_PARAMETERS)
-            if recorded is not None and not self.config.allow_space_change:
-                change = space_change(recorded, space.describe(self._scenario.parameters))
-                if change is not None:
-                    raise InputError(f"{change}: the study {self._scenario.name} was run in another search space "
-                                     "(resume with --allow-space-change to accept it, or use a new name)")
+            store.check_space(self.config.allow_space_change)
             store.describe(scenario_text(self._scenario.path))
             recover_stale(store, self.config.workdir, self.scheduler.worker, ())
 

@@ -322,20 +322,17 @@ def importance_data(study: optuna.Study, params: list[str], metric: str, axis: V
 
 def _one_space(trials: Sequence[optuna.trial.FrozenTrial], params: list[str]) -> optuna.Study:
     """An in-memory study of ``trials`` (their ``params`` and values) in one search space, the
-    union of theirs: fANOVA refuses trials whose ranges or choices differ, as they do once a
-    study is resumed with a widened range or an added choice."""
+    union of theirs: fANOVA refuses trials whose ranges differ, as they do once a study is
+    resumed with a widened range."""
     import optuna
     from optuna.distributions import CategoricalDistribution
 
     union: dict[str, optuna.distributions.BaseDistribution] = {}
     for name in params:
         seen = [t.distributions[name] for t in trials]
-        if all(isinstance(d, CategoricalDistribution) for d in seen):
-            union[name] = CategoricalDistribution(list(dict.fromkeys(c for d in seen for c in d.choices)))
-        else:
-            widest = max(seen, key=lambda d: d.high - d.low)
-            union[name] = type(widest)(**{**vars(widest), "low": min(d.low for d in seen),
-                                          "high": max(d.high for d in seen)})
+        first = seen[0]
+        union[name] = first if isinstance(first, CategoricalDistribution) else \
+            type(first)(**{**vars(first), "low": min(d.low for d in seen), "high": max(d.high for d in seen)})
     copy = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     copy.add_trials([optuna.trial.create_trial(params={n: t.params[n] for n in params}, distributions=union,
                                                value=t.value) for t in trials])

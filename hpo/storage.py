@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import re
 import sqlite3
@@ -33,12 +34,17 @@ if TYPE_CHECKING:
     import optuna
 
 SQLITE_TIMEOUT_S = 120
+_JOURNAL_LINE_MAX = 1 << 20  # a journal's first record (the study's creation) is far shorter
 MAX_PAUSE_S = 5.0  # the longest pause between two tries of a store call: every thread tries again this soon
 SCHEMES = ("sqlite:///PATH", "postgresql://...", "mysql://...", "journal:PATH")
 _SERVER_SCHEMES = ("postgresql", "postgres", "mysql")
 _THREAD_LOCK = threading.RLock()
 _log = logging.getLogger("hpo.storage")
 T = TypeVar("T")
+
+
+class NoStudy(InputError):
+    """The store holds no study of the name asked for (no file, no Optuna tables, no such study)."""
 
 
 class LockLost(Exception):
@@ -142,8 +148,8 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
                 create and isinstance(exc, optuna.exceptions.StorageInternalError))):
             raise  # the caller's Retrying waits for the server
         if not create and _said(exc, _NO_TABLES):
-            raise InputError(f"--storage: {redact(url)} holds no study (it has no Optuna tables): "
-                             f"run `hpo run` first") from None
+            raise NoStudy(f"--storage: {redact(url)} holds no study (it has no Optuna tables): "
+                          f"run `hpo run` first") from None
         raise InputError(f"--storage: cannot open {redact(url)}: {_root_cause(exc)}") from None
 
 
@@ -152,9 +158,9 @@ def reach(url: str, create: bool = True) -> None:
     outage before any store call is retried. An InputError naming ``--storage``: for a server,
     a refused connection (past ``REFUSED_GRACE_S``), a wrong password, a missing database or
     driver; for a file, a folder in its place or one that cannot be created, or a file that
-    cannot be opened. With ``create``, a file's folders and the file are created here;
-    without, nothing is written. A server that is restarting is left to the caller's
-    :class:`Retrying`."""
+    cannot be opened or is not a database (SQLite) or journal. With ``create``, a file's
+    folders and the file are created here; without, nothing is written. A server that is
+    restarting is left to the caller's :class:`Retrying`."""
     check_url(url)
     local = local_path(url)
     if local is not None:
@@ -203,8 +209,24 @@ def _reach_file(path: Path, *, sqlite: bool, create: bool) -> None:
                 conn.execute("PRAGMA schema_version")  # reads the header: is it a database?
         else:
             path.open("a" if create else "rb").close()
+            _check_journal(path)
     except (OSError, sqlite3.Error) as exc:
         raise InputError(f"--storage: cannot open {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _check_journal(path: Path) -> None:
+    """Raise InputError naming ``--storage`` unless ``path`` is empty or starts as Optuna's
+    journal files do: a line holding a JSON object with an ``op_code``. Reads one line."""
+    with path.open("rb") as handle:
+        first = handle.readline(_JOURNAL_LINE_MAX)
+    if not first:
+        return
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and "op_code" in record):
+        raise InputError(f"--storage: cannot open {path}: file is not an Optuna journal")
 
 
 def _while_refused(fn: Callable[[], T]) -> T:

@@ -9,7 +9,7 @@ optuna-dashboard and ``trials_dataframe()`` show them as they are. Optuna's stat
 COMPLETE (with the value), PRUNED, or FAIL for every other outcome (STOPPED, TIMEOUT,
 LOST and INTERRUPTED included: none of them has an objective value). The scenario's
 parameters and the scenario file itself are study user attributes, so a resumed study
-whose space changed can be refused (:mod:`hpo.spacecheck`).
+whose space changed can be refused (:mod:`hpo.spacecheck`), before anything is written.
 
 :func:`read_row` is the only reader of those attributes and :func:`result_attrs` the only
 writer. Every call into the storage goes through :class:`hpo.storage.Retrying`, so the
@@ -38,7 +38,8 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
-from hpo.storage import LockLost, Retrying, ask_lock, local_path, open_storage, reach
+from hpo.spacecheck import space_change, stored_change
+from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
@@ -137,12 +138,13 @@ def _attr(trial: FrozenTrial, name: str) -> Any:
 
 
 class StudyStore:
-    """Owns the scenario's Optuna study and storage; every storage call is retried.
+    """Owns the scenario's Optuna study and storage; every storage call is retried. A study
+    made to another ``objective.direction`` or on another ``objective.metric`` is an InputError.
 
     Args:
         scenario: the validated scenario (its name, direction, parameters, store_retry).
         url: the storage URL.
-        create: create the study if missing (``hpo run``); else a missing study is an InputError.
+        create: create the study if missing (``hpo run``); else a missing study is :class:`NoStudy`.
         pruner: what ``report`` uses (a sweep's sampler comes with :meth:`use_sampler`).
         on_outage: receives one-line messages when the store stops and starts answering.
         reached: the store has answered this sweep before (a worker that ``hpo run --workers``
@@ -162,7 +164,7 @@ class StudyStore:
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
         local = local_path(url)
         if not create and local is not None and not local.exists():
-            raise InputError(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
+            raise NoStudy(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
         def open_study() -> None:  # creating the tables of a new store must not race another process
             self._storage = self.call(open_storage, url, create)
             if create:
@@ -178,10 +180,14 @@ class StudyStore:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
                                        pruner=pruner)
             except KeyError:
-                raise InputError(f"no study named {scenario.name} in {url}: run `hpo run` first") from None
+                raise NoStudy(f"no study named {scenario.name} in {url}: run `hpo run` first") from None
         if self.study.direction.name.lower() != scenario.objective.direction:
             raise InputError(f"objective.direction: the study {scenario.name} was created to "
                              f"{self.study.direction.name.lower()}, not {scenario.objective.direction}")
+        metrics = self.call(lambda: self.study.metric_names)
+        if metrics is not None and metrics != [scenario.objective.metric]:
+            raise InputError(f"objective.metric: the study {scenario.name} was run on {', '.join(metrics)}, not "
+                             f"{scenario.objective.metric}; a new metric needs a new study (another name)")
         self._study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
 
     def use_sampler(self, sampler: optuna.samplers.BaseSampler) -> None:
@@ -242,8 +248,37 @@ class StudyStore:
         """Set one study user attribute."""
         self.call(self.study.set_user_attr, key, value)
 
+    def check_space(self, allow_space_change: bool = False) -> None:
+        """Raise InputError, writing nothing, unless the scenario's space may resume the study:
+        a change the study cannot store (:func:`hpo.spacecheck.stored_change`) is refused
+        always, another unsound one (:func:`hpo.spacecheck.space_change`) unless
+        ``allow_space_change``."""
+        self._check_stored()
+        recorded = self.user_attrs.get(STUDY_PARAMETERS)
+        if recorded is None or allow_space_change:
+            return
+        change = space_change(recorded, space.describe(self.scenario.parameters))
+        if change is not None:
+            raise InputError(f"{change}: the study {self.scenario.name} was run in another search space "
+                             "(resume with --allow-space-change to accept it, or use a new name)")
+
+    def _check_stored(self) -> None:
+        """Raise InputError if a parameter's distribution differs from the one the study's
+        trials hold in a way no Optuna study can store."""
+        stored: dict[str, optuna.distributions.BaseDistribution] = {}
+        for trial in self.trials():
+            for name, distribution in trial.distributions.items():
+                stored.setdefault(name, distribution)
+        problem = stored_change(stored, self.scenario.parameters)
+        if problem is not None:
+            raise InputError(f"{problem}: the study {self.scenario.name} stored its trials with the old distribution, "
+                             "which an Optuna study cannot change; use another name for a new study "
+                             "(--allow-space-change cannot override this)")
+
     def describe(self, scenario_text: str) -> None:
-        """Record the metric name, held-out metrics, parameters and scenario on the study."""
+        """Record the metric name, held-out metrics, parameters and scenario on the study;
+        a space the study cannot store is refused first, writing nothing (:meth:`check_space`)."""
+        self._check_stored()
         if self.call(lambda: self.study.metric_names) != [self.scenario.objective.metric]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -507,6 +542,17 @@ class StudyStore:
             raise InputError(f"trial {number}: it is {read_row(trial).state}, not running")
         self.set_system(number, SYS_STOP, time.time())
         return trial
+
+
+def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False) -> None:
+    """Raise InputError where resuming the scenario's study at ``url`` would be refused
+    (objective direction or metric, search space: :meth:`StudyStore.check_space`), reading
+    only; with no study there yet, there is nothing to check."""
+    try:
+        store = StudyStore(scenario, url, create=False)
+    except NoStudy:
+        return
+    store.check_space(allow_space_change)
 
 
 def scenario_text(path: Path) -> str:

@@ -1,13 +1,17 @@
 """Resuming a study whose search space changed: which changes are refused, which are sound."""
 from __future__ import annotations
 
+import csv
+import io
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hpo.scenario import Param
-from hpo.space import describe
-from hpo.spacecheck import space_change
+from hpo.space import describe, distributions
+from hpo.spacecheck import space_change, stored_change
 
 BASE: dict[str, dict[str, Any]] = {
     "hidden": {"type": "int", "low": 16, "high": 256, "log": True},
@@ -50,3 +54,80 @@ def test_space_change(changes: dict[str, Any], problem: str | None) -> None:
         assert found is None
     else:
         assert found is not None and found.startswith(problem)
+
+
+def params(**changes: Any) -> dict[str, Param]:
+    """The parameters of BASE with ``changes`` (None removes a parameter)."""
+    specs = {name: dict(spec) for name, spec in BASE.items()} | changes
+    return {name: Param(**spec) for name, spec in specs.items() if spec is not None}
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({}, None),
+    ({"lr": {"type": "float", "low": 1e-4, "high": 0.5, "step": 1e-4}}, None),
+    ({"hidden": {"type": "int", "low": 1, "high": 1024, "log": True}}, None),
+    ({"epochs": {"type": "constant", "value": 20}}, None),
+    ({"optimizer": {"type": "constant", "value": "sgd"}}, None),
+    ({"optimizer": {"type": "categorical", "choices": ["sgd", "adam", "rms"]}},
+     "parameters.optimizer: choices changed from ['sgd', 'adam'] to ['sgd', 'adam', 'rms']"),
+    ({"optimizer": {"type": "categorical", "choices": ["adam"]}},
+     "parameters.optimizer: choices changed from ['sgd', 'adam'] to ['adam']"),
+    ({"optimizer": {"type": "categorical", "choices": ["adam", "sgd"]}},
+     "parameters.optimizer: choices changed from ['sgd', 'adam'] to ['adam', 'sgd']"),
+    ({"optimizer": {"type": "bool"}}, "parameters.optimizer: choices changed from ['sgd', 'adam'] to [False, True]"),
+    ({"hidden": {"type": "float", "low": 16, "high": 256, "log": True}},
+     "parameters.hidden: type changed from 'int' to 'float'"),
+    ({"lr": {"type": "int", "low": 0, "high": 1}}, "parameters.lr: type changed from 'float' to 'int'"),
+    ({"lr": {"type": "categorical", "choices": [0.001, 0.1]}},
+     "parameters.lr: type changed from 'float' to 'categorical'"),
+    ({"lr": {"type": "float", "low": 1e-3, "high": 0.1, "log": True}}, "parameters.lr: log changed from False to True"),
+])
+def test_stored_change_names_what_an_optuna_study_cannot_store(changes: dict[str, Any], problem: str | None) -> None:
+    assert stored_change(distributions(params()), params(**changes)) == problem
+
+
+def test_stored_change_leaves_parameters_no_trial_holds_to_space_change() -> None:
+    stored = distributions(params())
+    del stored["optimizer"]
+    assert stored_change(stored, params(optimizer={"type": "categorical", "choices": ["rms"]})) is None
+    assert stored_change({}, params(hidden={"type": "float", "low": 1, "high": 2})) is None
+
+
+def test_removing_a_choice_no_longer_says_adding_one_is_allowed() -> None:
+    found = space_change(space(), space(optimizer={"type": "categorical", "choices": ["adam"]}))
+    assert found == "parameters.optimizer: choice 'sgd' was removed"
+
+
+RESUMED = """\
+name: demo
+template: train.py.j2
+command: python train.py
+parameters:
+  x: {{type: float, low: 0.0, high: 1.0}}
+  opt: {{type: categorical, choices: {choices}}}
+search: {{method: {method}, trials: {trials}, seed: 1}}
+objective: {{metric: val_error, held_out: [test_error]}}
+resources: {{parallel: 1, timeout: 60}}
+"""
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
+def test_a_changed_choice_is_refused_before_the_study_is_touched(
+        tmp_path: Path, write_scenario: Callable[..., Path], run_cli: Callable[..., Any], method: str) -> None:
+    """Adding a choice crashed inside Optuna after the new space was recorded, which wedged
+    the study and left a WAITING trial per attempt; the flag cannot make Optuna store it."""
+    old = write_scenario(tmp_path, raw=RESUMED.format(choices="[sgd, adam]", method=method, trials=2))
+    assert run_cli("run", old).returncode == 0
+    added = tmp_path / "added.yaml"
+    added.write_text(RESUMED.format(choices="[sgd, adam, rms]", method=method, trials=3))
+    expected = ("error: parameters.opt: choices changed from ['sgd', 'adam'] to ['sgd', 'adam', 'rms']: the study "
+                "demo stored its trials with the old distribution, which an Optuna study cannot change; use another "
+                "name for a new study (--allow-space-change cannot override this)")
+    for flags in ((), ("--allow-space-change",)):
+        refused = run_cli("run", added, *flags)
+        assert (refused.returncode, refused.stderr.strip()) == (2, expected)
+    old.write_text(RESUMED.format(choices="[sgd, adam]", method=method, trials=3))
+    resumed = run_cli("run", old)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = list(csv.DictReader(io.StringIO(run_cli("export", old).stdout)))
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3 and all(row["opt"] in ("sgd", "adam") for row in rows)

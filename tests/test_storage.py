@@ -182,6 +182,38 @@ def test_first_contact_without_create_writes_nothing(tmp_path: Path, url: str) -
     assert not (tmp_path / "db").exists()
 
 
+@pytest.mark.parametrize("text", [b"notadb", b"line one\nline two\n", b"[1, 2]\n", b"SQLite format 3\x00\xff\n"],
+                         ids=["word", "lines", "json-list", "binary"])
+def test_a_file_that_is_not_a_journal_is_bad_input_before_anything_is_written(tmp_path: Path, text: bytes) -> None:
+    path = tmp_path / "notadb"
+    path.write_bytes(text)
+    for create in (True, False):
+        with pytest.raises(InputError, match=rf"^--storage: cannot open {path}: file is not an Optuna journal$"):
+            reach(f"journal:{path}", create=create)
+    assert path.read_bytes() == text
+
+
+def test_an_empty_file_or_a_journal_is_a_journal(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.log"
+    empty.touch()
+    reach(f"journal:{empty}", create=False)
+    journal = tmp_path / "study.log"
+    optuna.create_study(study_name="s", storage=open_storage(f"journal:{journal}"))
+    for create in (True, False):
+        reach(f"journal:{journal}", create=create)
+
+
+def test_hpo_run_leaves_a_file_that_is_not_a_journal_alone(tmp_path: Path, write_scenario: WriteScenario,
+                                                           run_cli: Callable[..., Any]) -> None:
+    path = tmp_path / "notadb"
+    path.write_text("notadb")
+    refusal = f"error: --storage: cannot open {path}: file is not an Optuna journal\n"
+    for command in ("run", "validate", "status"):
+        result = run_cli(command, write_scenario(tmp_path), "--storage", f"journal:{path}")
+        assert (result.returncode, result.stderr) == (2, refusal)
+    assert path.read_text() == "notadb"
+
+
 def test_a_database_without_optunas_tables_holds_no_study(tmp_path: Path) -> None:
     with contextlib.closing(sqlite3.connect(tmp_path / "other.db")) as conn:
         conn.execute("CREATE TABLE notes (text)")

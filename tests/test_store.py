@@ -12,12 +12,13 @@ import sqlalchemy
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from hpo import rowcache
+from hpo import rowcache, space
 from hpo.errors import InputError
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import TrialRow, best_row, repeat_of
 from hpo.scenario import Scenario, load_scenario
-from hpo.store import SYS_STARTED, StudyStore, read_row, result_attrs
+from hpo.storage import local_path, open_storage
+from hpo.store import SYS_STARTED, StudyStore, check_resume, read_row, result_attrs
 
 WriteScenario = Callable[..., Path]
 DIST = {"x": FloatDistribution(0.0, 1.0)}
@@ -56,6 +57,87 @@ def test_describe_makes_a_first_class_optuna_study(scenario: Scenario, url: str)
     assert study.user_attrs["held_out"] == ["test_error"]
     assert study.user_attrs["parameters"]["x"] == {"type": "float", "low": 0.0, "high": 1.0}
     assert study.user_attrs["scenario"] == "name: demo\n"
+
+
+def _one_trial(store: StudyStore) -> None:
+    """Record the scenario on the store's study and run one trial in its space."""
+    store.describe("old")
+    trial = store.ask()
+    space.suggest(trial, store.scenario.parameters)
+    store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.5), "f")
+
+
+UNSTORABLE = "the study demo stored its trials with the old distribution, which an Optuna study cannot change"
+
+
+@pytest.mark.parametrize(("parameters", "problem"), [
+    ({"opt": {"choices": ["a", "b", "c"]}}, r"parameters\.opt: choices changed from \['a', 'b'\] to \['a', 'b', 'c'\]"),
+    ({"opt": {"choices": ["a"]}}, r"parameters\.opt: choices changed from \['a', 'b'\] to \['a'\]"),
+    ({"x": {"type": "int", "low": 0, "high": 1}}, r"parameters\.x: type changed from 'float' to 'int'"),
+], ids=["choice-added", "choice-removed", "float-to-int"])
+def test_a_space_the_study_cannot_store_is_refused_before_anything_is_written(
+        scenario: Scenario, url: str, tmp_path: Path, write_scenario: WriteScenario, parameters: dict[str, Any],
+        problem: str) -> None:
+    _one_trial(StudyStore(scenario, url))
+    changed = StudyStore(load_scenario(write_scenario(tmp_path / "b", parameters=parameters)), url)
+    refusal = rf"^{problem}: {UNSTORABLE}; use another name for a new study \(--allow-space-change cannot override this\)$"
+    for allow in (False, True):
+        with pytest.raises(InputError, match=refusal):
+            changed.check_space(allow_space_change=allow)
+    with pytest.raises(InputError, match=refusal):
+        changed.describe("new")
+    again = StudyStore(scenario, url, create=False)
+    assert again.user_attrs["scenario"] == "old" and len(again.trials()) == 1
+    again.check_space()
+
+
+def test_a_changed_metric_is_refused_like_a_changed_direction(scenario: Scenario, url: str, tmp_path: Path,
+                                                              write_scenario: WriteScenario) -> None:
+    StudyStore(scenario, url).describe("old")
+    loss = load_scenario(write_scenario(tmp_path / "b", objective={"metric": "loss"}))
+    for create in (True, False):
+        with pytest.raises(InputError, match=r"^objective\.metric: the study demo was run on val_error, not loss; "
+                                             r"a new metric needs a new study \(another name\)$"):
+            StudyStore(loss, url, create=create)
+
+
+def _written(url: str) -> tuple[Any, ...]:
+    """What the study ``demo`` at ``url`` holds, and a journal file's bytes."""
+    study = optuna.load_study(study_name="demo", storage=open_storage(url, create=False))
+    file = local_path(url)
+    journal = file.read_bytes() if url.startswith("journal:") and file is not None else None
+    return study.user_attrs, study.metric_names, [(t.number, t.state, t.params) for t in study.trials], journal
+
+
+def test_check_resume_refuses_what_a_resume_would_reading_only(scenario: Scenario, url: str, tmp_path: Path,
+                                                               write_scenario: WriteScenario) -> None:
+    check_resume(scenario, url)
+    assert not (tmp_path / "db").exists()
+    _one_trial(StudyStore(scenario, url))
+    other = load_scenario(write_scenario(tmp_path / "other", name="other"))
+    check_resume(other, url)
+    before = _written(url)
+    refusals = {"narrowed": ({"parameters": {"x": {"high": 0.5}}}, r"^parameters\.x: the range \[0, 1\] was narrowed"),
+                "direction": ({"objective": {"direction": "maximize"}}, r"^objective\.direction: "),
+                "metric": ({"objective": {"metric": "loss"}}, r"^objective\.metric: "),
+                "choice": ({"parameters": {"opt": {"choices": ["a", "b", "c"]}}}, r"^parameters\.opt: choices changed")}
+    for name, (changes, refusal) in refusals.items():
+        changed = load_scenario(write_scenario(tmp_path / name, **changes))
+        with pytest.raises(InputError, match=refusal):
+            check_resume(changed, url)
+        if name in ("narrowed",):
+            check_resume(changed, url, allow_space_change=True)
+        else:
+            with pytest.raises(InputError, match=refusal):
+                check_resume(changed, url, allow_space_change=True)
+    check_resume(scenario, url)
+    assert _written(url) == before
+
+
+def test_check_resume_of_a_store_without_optunas_tables_has_nothing_to_check(scenario: Scenario,
+                                                                              tmp_path: Path) -> None:
+    (tmp_path / "empty.db").touch()
+    check_resume(scenario, f"sqlite:///{tmp_path}/empty.db")
 
 
 @pytest.mark.parametrize("result", [
