@@ -116,9 +116,11 @@ class _Signals:
     """SIGINT and SIGTERM as a graceful stop: the first one calls ``stop(signum)``, a
     second one only says that the stop is under way."""
 
-    def __init__(self, stop: Callable[[int], None]) -> None:
+    def __init__(self, stop: Callable[[int], None], ended: str = "running trials were recorded INTERRUPTED and "
+                 "queued again, trials claimed ahead went back to the queue; run the same command to resume") -> None:
         self.signum: int | None = None
         self._stop = stop
+        self._ended = ended
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
@@ -143,8 +145,7 @@ class _Signals:
         """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), or None."""
         if self.signum is None:
             return None
-        print("interrupted: running trials were recorded INTERRUPTED and queued again, trials claimed ahead went "
-              "back to the queue; run the same command to resume", file=sys.stderr, flush=True)
+        print(f"interrupted: {self._ended}", file=sys.stderr, flush=True)
         return 128 + self.signum
 
 
@@ -562,7 +563,9 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     slots = _plan(ctx, parallel=1)
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()
-    signals = _Signals(lambda signum: sweep.stop())
+    signals = _Signals(lambda signum: sweep.stop(),
+                       ended=f"the rerun of trial {args.trial} was recorded INTERRUPTED and queued again; run the "
+                             "same command to resume it (or hpo run, which runs it too)")
     with signals.installed():
         row, result = sweep.rerun(args.trial, args.seed)
     code = signals.exit_code()

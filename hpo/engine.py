@@ -390,7 +390,7 @@ class _Control:
         claim = self._claim
         self._sweep.store.set_system(claim.number, SYS_STARTED, {
             "slot": self._slot.index, "gpus": ",".join(map(str, gpus)), "folder": str(claim.folder),
-            "pid": os.getpid()})
+            "pid": os.getpid(), "at": time.time()})
         running = self._running()
         if running is not None:
             running.started = True

@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.outcome import Outcome, TrialResult
-from hpo.rows import TrialRow, best_row, budget_used
+from hpo.rows import TrialRow, best_row, standing
 
 if TYPE_CHECKING:
     from hpo.engine import Observer, TrialEnd, TrialStart
@@ -43,7 +43,9 @@ def format_metrics(value: float | None, metric: str, held_out: Mapping[str, floa
 
 @dataclass(frozen=True)
 class Tally:
-    """The study at a glance, from its rows."""
+    """The study at a glance, from its rows: ``done`` trials used the budget and ended,
+    ``reruns`` are reruns (``hpo rerun``) that so ended, and ``past_budget`` of the WAITING
+    trials wait past the budget (``search.trials`` was lowered): they run only if it is raised."""
 
     budget: int
     done: int
@@ -53,18 +55,22 @@ class Tally:
     failures: tuple[TrialRow, ...]
     mean_duration_s: float | None
     reruns: int
+    past_budget: int
 
 
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
-    """Count ``rows`` by outcome; ``done`` is what used the budget and ended."""
+    """Count ``rows`` by outcome (see :class:`Tally`)."""
     durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
     failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
-    in_flight = sum(1 for r in rows if not r.outcome.ended and r.rerun_of is None)
-    return Tally(budget=budget, done=budget_used(rows) - in_flight, counts=Counter(r.outcome for r in rows),
+    ended = [r for r in standing(rows) if r.outcome.ended]
+    done = sum(1 for r in ended if r.rerun_of is None)
+    in_flight = sum(1 for r in rows if r.outcome is Outcome.RUNNING and r.rerun_of is None)
+    waiting = sum(1 for r in rows if r.outcome is Outcome.WAITING and r.rerun_of is None)
+    return Tally(budget=budget, done=done, counts=Counter(r.outcome for r in rows),
                  best=best_row(rows, direction), running=tuple(r for r in rows if r.outcome is Outcome.RUNNING),
                  failures=tuple(failed[-FAILURES_SHOWN:]),
                  mean_duration_s=sum(durations) / len(durations) if durations else None,
-                 reruns=sum(1 for r in rows if r.rerun_of is not None))
+                 reruns=len(ended) - done, past_budget=max(0, waiting - max(0, budget - done - in_flight)))
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
@@ -72,19 +78,23 @@ LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 
 def summary_line(t: Tally, metric: str) -> str:
     """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``;
-    reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``"""
+    reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``;
+    trials waiting past the budget are said apart from those still to run."""
     def count(o: Outcome) -> str:
         return f"{t.counts[o]} {LABELS.get(o, o.value.lower())}"
 
     parts = [count(o) for o in Outcome if o.own and t.counts.get(o)]
     again = [count(o) for o in (Outcome.LOST, Outcome.INTERRUPTED) if t.counts.get(o)]
-    pending = [count(o) for o in (Outcome.RUNNING, Outcome.WAITING) if t.counts.get(o)]
+    pending = [f"{n} {word}" for n, word in ((t.counts.get(Outcome.RUNNING, 0), "running"),
+                                             (t.counts.get(Outcome.WAITING, 0) - t.past_budget, "waiting")) if n]
     reruns = f" and {t.reruns} rerun{'s' if t.reruns > 1 else ''}" if t.reruns else ""
     text = f"{t.done}/{t.budget} trials done{reruns}" + (f": {', '.join(parts)}" if parts else "")
     if pending:
         text += f"; {', '.join(pending)}"
     if again:
         text += f"; also {', '.join(again)} (not their fault: run again)"
+    if t.past_budget:
+        text += f"; {t.past_budget} waiting past the budget (not run unless search.trials is raised)"
     return text + "." + best_text(t.best, metric)
 
 
@@ -191,10 +201,11 @@ class ProgressView:
         failed = counts.get(Outcome.FAIL, 0) + counts.get(Outcome.TIMEOUT, 0)
         stopped = counts.get(Outcome.PRUNED, 0) + counts.get(Outcome.STOPPED, 0)
         again = counts.get(Outcome.LOST, 0) + counts.get(Outcome.INTERRUPTED, 0)
+        past = f" (+{t.past_budget} past the budget)" if t.past_budget else ""
         head = (f"[bold]{t.done}/{t.budget}[/] done  [green]{counts.get(Outcome.COMPLETE, 0)} complete[/]  "
                 f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
-                f"{counts.get(Outcome.WAITING, 0)} waiting  [dim]{again} lost/interrupted (run again)[/]  "
-                f"ETA {self._eta(t)}")
+                f"{counts.get(Outcome.WAITING, 0) - t.past_budget} waiting{past}  "
+                f"[dim]{again} lost/interrupted (run again)[/]  ETA {self._eta(t)}")
         best = best_text(t.best, self._objective.metric).strip() or "best: none yet"
         table = Table(box=None, pad_edge=False)
         for column in ("trial", "slot", "GPUs", "elapsed", "parameters"):

@@ -9,7 +9,8 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 * a result its folder holds (``result.json``: the store was down when it ended) is recorded;
 * a claim that never started goes back to the queue (WAITING);
 * otherwise it is recorded LOST and its configuration queued again, unless it was lost
-  ``LOST_LIMIT`` times in a row: then it is FAIL with reason ``lost 3 times``.
+  ``LOST_LIMIT`` times in a row: then it is FAIL with reason ``lost 3 times``. Either way its
+  duration is what is known of its run (:func:`ran_s`).
 """
 from __future__ import annotations
 
@@ -34,8 +35,20 @@ LOST_LIMIT = 3
 
 
 def run_info(trial: FrozenTrial) -> dict[str, object]:
-    """Who claimed ``trial``: worker, host, token, seed (older studies: the ``run`` attribute)."""
+    """Who claimed ``trial``: worker, host, token, seed, trial_seed (older studies: the ``run``
+    attribute)."""
     return dict(trial.system_attrs.get(SYS_RUN) or trial.user_attrs.get("run") or {})
+
+
+def ran_s(trial: FrozenTrial) -> float:
+    """Seconds the stale ``trial`` is known to have run: from its start (``at`` in its start
+    record, else its claim) to its last heartbeat, the last moment its worker is known to
+    have been alive (when it was found lost tells when hpo looked); 0 without a beat."""
+    beat = trial.system_attrs.get(SYS_HEARTBEAT)
+    start = (trial.system_attrs.get(SYS_STARTED) or {}).get("at")
+    if start is None and trial.datetime_start is not None:
+        start = trial.datetime_start.timestamp()
+    return 0.0 if beat is None or start is None else max(0.0, float(beat) - float(start))
 
 
 def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: Container[int],
@@ -91,23 +104,24 @@ def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int
         run = run_info(trial)
         if run.get("token") and run.get("host") == HOST:
             kill_by_token(str(run["token"]))
-        _settle_stale(store, by_number[trial.number], rows, SYS_STARTED in trial.system_attrs or "run" in
-                      trial.user_attrs, Path(by_number[trial.number].folder or trial_folder(workdir, trial.number)))
+        _settle_stale(store, trial, by_number[trial.number], rows,
+                      Path(by_number[trial.number].folder or trial_folder(workdir, trial.number)))
     return [t.number for t in stale]
 
 
-def _settle_stale(store: StudyStore, row: TrialRow, rows: list[TrialRow], started: bool, folder: Path) -> None:
+def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: list[TrialRow], folder: Path) -> None:
     saved = saved_result(folder, row.number)
     if saved is not None:
         if saved.outcome.run_again:
             requeue(store, row, rows)
         store.end_other(row.number, saved, folder)
-    elif not started:
+    elif SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
         store.back_to_waiting(row.number)
     elif row.lost_count + 1 >= LOST_LIMIT:
         store.end_other(row.number, TrialResult(
-            Outcome.FAIL, reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"),
-            folder)
+            Outcome.FAIL, duration_s=ran_s(trial),
+            reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"), folder)
     else:
         requeue(store, row, rows, lost_count=row.lost_count + 1)
-        store.end_other(row.number, TrialResult(Outcome.LOST, reason="lost: its worker stopped"), folder)
+        store.end_other(row.number, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
+                                                reason="lost: its worker stopped"), folder)

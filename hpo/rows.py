@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,10 +89,10 @@ def standing(rows: list[TrialRow]) -> list[TrialRow]:
     return [r for r in rows if r.number not in retried and (r.outcome.own or not r.outcome.ended)]
 
 
-def budget_used(rows: list[TrialRow]) -> int:
-    """How much of ``search.trials`` the rows use: the standing trials but reruns (see
-    :mod:`hpo.scheduler`)."""
-    return sum(1 for r in standing(rows) if r.rerun_of is None)
+def budget_used(rows: list[TrialRow], queued: Container[int] = ()) -> int:
+    """How much of ``search.trials`` the rows use: the standing trials but reruns and the
+    trials ``queued`` (WAITING in the store: they use it once claimed; see :mod:`hpo.scheduler`)."""
+    return sum(1 for r in standing(rows) if r.rerun_of is None and r.number not in queued)
 
 
 def presented(raw: list[TrialRow], parameters: Mapping[str, Param]) -> list[TrialRow]:

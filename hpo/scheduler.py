@@ -1,19 +1,22 @@
 """Which trial a slot runs next: claims, the budget, the design queue and re-runs.
 
 The budget is ``search.trials`` for the whole study, all workers and runs together. A
-trial uses it when it ended on its own merits (COMPLETE, FAIL, PRUNED, STOPPED, TIMEOUT),
-runs, or waits in the queue; a failed trial that was retried (``search.retry_failed``) and
-a trial whose configuration runs again because it was LOST or INTERRUPTED do not, nor do
-reruns (``hpo rerun``). Re-runs are queued as WAITING trials with the same parameters and
-are claimed before anything new. A design's next point is its first point that no trial
-covers yet, so every point runs exactly once whatever crashed in between.
+trial uses it when it ended on its own merits (COMPLETE, FAIL, PRUNED, STOPPED, TIMEOUT)
+or is claimed; a failed trial that was retried (``search.retry_failed``) and a trial whose
+configuration runs again because it was LOST or INTERRUPTED do not, nor do reruns (``hpo
+rerun``). Re-runs are queued as WAITING trials with the same parameters and are claimed
+before anything new while the budget has room; once it is spent (``search.trials`` lowered
+below what ran and was queued), they stay WAITING, unrun, until it is raised. A queued copy
+of a rerun uses no budget: the next ``hpo run`` or ``hpo rerun`` of the same trial claims
+it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A design's next
+point is its first point that no trial covers yet, so every point runs exactly once
+whatever crashed in between.
 
 Claims happen under the store's ask lock, so workers on any number of machines never
 exceed the budget.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import uuid
@@ -23,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpo import space
+from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
@@ -105,14 +109,23 @@ class Scheduler:
     def claim(self, mine: Container[int]) -> Claim | str | None:
         """The next trial for a slot; :data:`WAIT` while only other workers' running trials
         stand between the study and its budget (they may need a re-run); None when done.
+        Queued trials come first: any while the budget has room, else only queued reruns.
         Call under the ask lock; ``mine`` are this worker's running trials."""
         store = self.store
         trials = store.trials()
-        queued = any(t.state == TrialState.WAITING for t in trials)
-        if not queued:
-            rows = store.rows(trials)
-            others = any(not r.outcome.ended and r.number not in mine for r in rows)
-            if budget_used(rows) >= self.budget:
+        rows = store.rows(trials)
+        by_number = {r.number: r for r in rows}
+        queued = sorted(t.number for t in trials if t.state == TrialState.WAITING)
+        room = budget_used(rows, queued) < self.budget
+        runnable = [n for n in queued if room or by_number[n].rerun_of is not None]
+        if runnable:
+            try:
+                trial = store.claim_waiting(runnable[0])
+            except InputError:  # another worker took it, which only an ask lock lost unseen allows
+                return self.claim(mine)
+        else:
+            others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
+            if not room:
                 return WAIT if others else None
             if self._design is not None:
                 index = self._next_point(rows)
@@ -120,34 +133,50 @@ class Scheduler:
                     return WAIT if others else None
                 point = self._design[index]
                 store.enqueue(space.searched(store.scenario.parameters, point), {ATTR_DESIGN_INDEX: index})
-        trial = store.ask(queued_only=self._design is not None)
+            trial = store.ask(queued_only=self._design is not None)
         twin = self._twin(trial)
         if twin is not None:
             store.record(trial.number, TrialResult(
                 Outcome.INTERRUPTED, reason=f"not run: it was queued twice in a store outage, and trial {twin} runs it"),
                 trial_folder(self._workdir, trial.number))
             return self.claim(mine)
-        return self._claimed(trial, None)
+        row = by_number.get(trial.number)
+        if row is None or row.rerun_of is None:
+            return self._claimed(trial, None)
+        source = row.number if row.requeue_of is None else row.requeue_of
+        return self._claimed(trial, self._rerun_seed(trials, source, row.rerun_of), prunable=False)
 
-    def _claimed(self, trial: optuna.Trial, seed: int | None) -> Claim:
+    def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True) -> Claim:
         store = self.store
         params = store.call(space.suggest, trial, store.scenario.parameters)
         token = f"{store.scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
-        store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
-                                                 "seed": self._seed})
         if seed is None:
             seed = trial_seed(store.scenario.search.seed, trial.number)
+        store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
+                                                 "seed": self._seed, "trial_seed": seed})
         fault_point("claim", trial.number)
-        return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed)
+        return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable)
+
+    def _rerun_seed(self, trials: list[FrozenTrial], source: int, original: int) -> int:
+        """The ``trial_seed`` that the rerun ``source`` of trial ``original`` was claimed
+        with; ``original``'s default in studies that did not record it."""
+        run = next((t.system_attrs.get(SYS_RUN) for t in trials if t.number == source), None) or {}
+        seed = run.get("trial_seed")
+        return trial_seed(self.store.scenario.search.seed, original) if seed is None else int(seed)
 
     def claim_rerun(self, original: TrialRow, seed: int) -> Claim:
-        """A new trial that runs ``original``'s configuration again with ``trial_seed``
-        ``seed``, marked ``rerun_of`` (it uses no budget). Call under the ask lock."""
+        """A trial that runs ``original``'s configuration again with ``trial_seed`` ``seed``,
+        marked ``rerun_of`` (it uses no budget, is never pruned): the first queued rerun of
+        ``original`` (one that was interrupted or lost), else a new one. Call under the ask lock."""
         store = self.store
-        store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
-        queued = max(t.number for t in store.trials(states=(TrialState.WAITING,))
-                     if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
-        return dataclasses.replace(self._claimed(store.claim_waiting(queued), seed), prunable=False)
+
+        def queued() -> list[int]:
+            return sorted(t.number for t in store.trials(states=(TrialState.WAITING,))
+                          if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
+
+        if not queued():
+            store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
+        return self._claimed(store.claim_waiting(queued()[0]), seed, prunable=False)
 
     def _twin(self, trial: optuna.Trial) -> int | None:
         """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued

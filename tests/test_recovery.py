@@ -158,3 +158,26 @@ def test_a_configuration_lost_three_times_fails(tmp_path: Path, write_scenario: 
     assert [r.outcome for r in rows] == [Outcome.LOST, Outcome.LOST, Outcome.FAIL]
     assert rows[2].reason.startswith("lost 3 times")
     assert len({r.params["x"] for r in rows}) == 1
+
+
+@pytest.mark.parametrize(("start", "beat_after", "duration"), [
+    pytest.param("recorded", 7.0, 7.0, id="start-record-to-last-beat"),
+    pytest.param("claim", 7.0, 7.0, id="claim-to-last-beat-in-older-studies"),
+    pytest.param("recorded", -1.0, 0.0, id="beaten-only-before-it-started"),
+    pytest.param("recorded", None, 0.0, id="never-beaten"),
+])
+def test_a_lost_trial_records_how_long_it_ran_until_its_last_heartbeat(
+        tmp_path: Path, write_scenario: WriteScenario, start: str, beat_after: float | None, duration: float) -> None:
+    scheduler = make(tmp_path, write_scenario)
+    store = scheduler.store
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
+    started_at = time.time() - 3600
+    if start == "recorded":
+        store.set_system(c.number, SYS_STARTED, {"slot": 0, "folder": str(c.folder), "at": started_at})
+    else:
+        started_at = store.trial(c.number).datetime_start.timestamp()  # type: ignore[union-attr]
+    if beat_after is not None:
+        store.set_system(c.number, SYS_HEARTBEAT, started_at + beat_after)
+    recover(scheduler, tmp_path)
+    row = store.rows()[0]
+    assert row.outcome is Outcome.LOST and row.duration_s == pytest.approx(duration, abs=1e-3)

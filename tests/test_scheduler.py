@@ -194,3 +194,71 @@ def test_interrupted_and_lost_do_not_use_retries(tmp_path: Path, write_scenario:
     again = claim(scheduler)
     rows: list[Any] = scheduler.store.rows()
     assert again.params == c.params and rows[1].retries == 0 and rows[1].requeue_of == 0
+
+
+@pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
+def test_queued_copies_wait_past_a_lowered_budget(tmp_path: Path, write_scenario: WriteScenario,
+                                                  method: str) -> None:
+    """Copies of interrupted trials stay WAITING, unrun, once search.trials (lowered after
+    the interruption) is spent, and run as far as it is raised again."""
+    scheduler = make(tmp_path, write_scenario, method=method, trials=3)
+    store = scheduler.store
+    first, second, third = claim(scheduler), claim(scheduler), claim(scheduler)
+    complete(scheduler, first)
+    for c in (second, third):
+        assert scheduler.settle(c, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    design = designs.design_points(store.scenario)
+    lowered = Scheduler(store, design, 1, tmp_path / "w", 3)
+    with store.lock():
+        assert lowered.claim(set()) is None
+    assert [(r.outcome, r.requeue_of) for r in store.rows()[3:]] == [(Outcome.WAITING, 1), (Outcome.WAITING, 2)]
+    raised = Scheduler(store, design, 2, tmp_path / "w", 3)
+    again = claim(raised)
+    assert (again.number, again.params) == (3, second.params)
+    with store.lock():
+        assert raised.claim({again.number}) is None
+        assert raised.claim(set()) == WAIT  # another worker's trial may yet be lost
+    complete(raised, again)
+    with store.lock():
+        assert raised.claim(set()) is None
+    assert store.rows()[4].outcome is Outcome.WAITING
+
+
+@pytest.mark.parametrize("how", ["interrupted", "never-started"])
+def test_a_queued_rerun_is_resumed_by_the_next_rerun_of_its_trial(tmp_path: Path, write_scenario: WriteScenario,
+                                                                  how: str) -> None:
+    """hpo rerun N runs the queued rerun of N (interrupted, or a claim that went back to the
+    queue) instead of a new one, so nothing is left for hpo run to run a second time."""
+    scheduler = make(tmp_path, write_scenario, trials=1)
+    complete(scheduler, claim(scheduler))
+    store = scheduler.store
+    with store.lock():
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+    if how == "interrupted":
+        assert scheduler.settle(rerun, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    else:
+        assert store.back_to_waiting(rerun.number)
+    queued = len(store.rows()) - 1
+    with store.lock():
+        resumed = scheduler.claim_rerun(store.rows()[0], seed=77)
+    assert (resumed.number, resumed.seed, resumed.prunable) == (queued, 77, False)
+    complete(scheduler, resumed)
+    with store.lock():
+        assert scheduler.claim(set()) is None
+    assert all(r.outcome.ended for r in store.rows())
+
+
+def test_hpo_run_runs_a_queued_rerun_with_its_seed_past_the_budget(tmp_path: Path,
+                                                                   write_scenario: WriteScenario) -> None:
+    scheduler = make(tmp_path, write_scenario, method="tpe", trials=1)
+    original = claim(scheduler)
+    complete(scheduler, original)
+    store = scheduler.store
+    with store.lock():
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+    assert scheduler.settle(rerun, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    resumed = claim(scheduler)
+    assert (resumed.number, resumed.params, resumed.seed, resumed.prunable) == (2, original.params, 77, False)
+    complete(scheduler, resumed)
+    with store.lock():
+        assert scheduler.claim(set()) is None
