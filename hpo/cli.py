@@ -106,7 +106,8 @@ def _snapshot(ctx: Context) -> list[Any]:
     from hpo.rows import presented
 
     scenario = ctx.scenario
-    raw = rowcache.quiet_rows(ctx.storage, scenario.name, scenario.objective.direction)
+    objective = scenario.objective
+    raw = rowcache.quiet_rows(ctx.storage, scenario.name, rowcache.objective_of(objective.direction, objective.metric))
     if raw is None:
         return _store(ctx).snapshot()
     return presented(raw, scenario.parameters)

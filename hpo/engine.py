@@ -388,9 +388,12 @@ class _Control:
 
     def started(self, gpus: Sequence[int]) -> None:
         claim = self._claim
+        parameters = self._sweep._scenario.parameters
+        constants = {name: value for name, value in claim.params.items()
+                     if name in parameters and parameters[name].type == "constant"}
         self._sweep.store.set_system(claim.number, SYS_STARTED, {
             "slot": self._slot.index, "gpus": ",".join(map(str, gpus)), "folder": str(claim.folder),
-            "pid": os.getpid(), "at": time.time()})
+            "pid": os.getpid(), "at": time.time(), "constants": constants})
         running = self._running()
         if running is not None:
             running.started = True

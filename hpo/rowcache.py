@@ -27,21 +27,28 @@ from typing import Any
 from hpo.rows import FIELDS, TrialRow, row_from_list, row_to_list
 from hpo.storage import local_path, sqlite_path
 
-VERSION = 2
+VERSION = 3
 QUIET_S = 1.0
 Stamp = list[list[int] | None]
 
 
 @dataclass(frozen=True)
 class Cached:
-    """What the file holds: the rows of finished trials (for the study ``key``) and, if
-    the store was quiet, its ``stamp`` with the ``unfinished`` rows read at that time."""
+    """What the file holds: the rows of finished trials (for the study ``key``, judged by
+    ``objective``: see :func:`objective_of`) and, if the store was quiet, its ``stamp`` with
+    the ``unfinished`` rows read at that time."""
 
     key: str
-    direction: str
+    objective: str
     finished: list[TrialRow]
     stamp: Stamp | None = None
     unfinished: tuple[TrialRow, ...] = ()
+
+
+def objective_of(direction: str, metric: str) -> str:
+    """What cached rows were judged by: ``minimize val_error``. Rows cached under another
+    objective are not a study's rows as the scenario reads them."""
+    return f"{direction} {metric}"
 
 
 def cache_path(url: str, study: str) -> Path:
@@ -81,28 +88,29 @@ def load(path: Path) -> Cached | None:
         data = json.loads(path.read_text())
         if data.get("version") != VERSION or data.get("fields") != list(FIELDS):
             return None
-        return Cached(key=str(data["key"]), direction=str(data["direction"]),
+        return Cached(key=str(data["key"]), objective=str(data["objective"]),
                       finished=[row_from_list(values) for values in data["finished"]],
                       stamp=data.get("stamp"), unfinished=tuple(row_from_list(v) for v in data.get("unfinished", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def quiet_rows(url: str, study: str, direction: str) -> list[TrialRow] | None:
+def quiet_rows(url: str, study: str, objective: str) -> list[TrialRow] | None:
     """Every row of ``study`` from the file alone, by number, if the store has not been
-    written since the file recorded it (and the study was made to ``direction``); else None."""
+    written since the file recorded it and its rows were judged by ``objective``
+    (:func:`objective_of`); else None."""
     stamp = quiet_stamp(url)
     if stamp is None:
         return None
     cached = load(cache_path(url, study))
-    if cached is None or cached.stamp != stamp or cached.direction != direction:
+    if cached is None or cached.stamp != stamp or cached.objective != objective:
         return None
     return sorted([*cached.finished, *cached.unfinished], key=lambda row: row.number)
 
 
 def save(path: Path, cached: Cached) -> None:
     """Write ``cached`` atomically; a failure to write is no error."""
-    data: dict[str, Any] = {"version": VERSION, "key": cached.key, "direction": cached.direction,
+    data: dict[str, Any] = {"version": VERSION, "key": cached.key, "objective": cached.objective,
                             "fields": list(FIELDS), "finished": [row_to_list(row) for row in cached.finished]}
     if cached.stamp is not None:
         data.update(stamp=cached.stamp, unfinished=[row_to_list(row) for row in cached.unfinished])

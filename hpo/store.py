@@ -102,7 +102,9 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
     """The :class:`TrialRow` of one Optuna trial (the only reader of hpo's attributes).
 
     Reads this round's flat attributes and, for studies made before it, the nested
-    ``run``/``result`` attributes. ``constants`` adds the scenario's constants to the params.
+    ``run``/``result`` attributes. The params hold the constants the trial started with;
+    ``constants`` adds the scenario's for those it did not record (it never started, or
+    started before they were recorded).
     """
     user = trial.user_attrs
     legacy = dict(user.get(_LEGACY_RESULT) or {})
@@ -120,7 +122,7 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
     if outcome is Outcome.LOST and recorded not in (None, Outcome.LOST.value):
         reason = f"lost: another worker judged its worker gone ({reason or recorded})"
     value = trial.value if outcome is Outcome.COMPLETE else None
-    params = dict(trial.params)
+    params = {**trial.params, **(started.get("constants") or {})}
     return TrialRow(
         number=trial.number, outcome=outcome, params=constants(params) if constants else params,
         value=value, held_out=held_out, duration_s=duration, folder=str(folder), reason=reason,
@@ -316,8 +318,9 @@ class StudyStore:
         if not isinstance(self._storage, optuna.storages.RDBStorage):
             return self.rows()
         storage, sid = self._storage, self._study_id
-        path, key, direction = rowcache.cache_path(self.url, self.scenario.name), self._cache_key(), \
-            self.scenario.objective.direction
+        objective = self.scenario.objective
+        path, key, judged = rowcache.cache_path(self.url, self.scenario.name), self._cache_key(), \
+            rowcache.objective_of(objective.direction, objective.metric)
         cache = rowcache.load(path)
         cached = {row.number: row for row in cache.finished} if cache is not None and cache.key == key else {}
         rows = {t.number: read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False,
@@ -334,7 +337,7 @@ class StudyStore:
         unfinished = tuple(row for _, row in sorted(rows.items()))
         if any(row.outcome.ended for row in fresh) or cache is None or cache.key != key or \
                 (self._quiet is not None and (cache.stamp, cache.unfinished) != (self._quiet, unfinished)):
-            rowcache.save(path, rowcache.Cached(key, direction, [row for _, row in sorted(cached.items())],
+            rowcache.save(path, rowcache.Cached(key, judged, [row for _, row in sorted(cached.items())],
                                                self._quiet, unfinished))
         return presented([row for _, row in sorted({**cached, **rows}.items())], self.scenario.parameters)
 

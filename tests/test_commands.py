@@ -2,6 +2,8 @@
 something (a completed trial, a folder, the study itself), a closed pipe, a shared workdir."""
 from __future__ import annotations
 
+import csv
+import io
 import shutil
 import subprocess
 import sys
@@ -67,3 +69,16 @@ def test_gpu_lists_are_checked(tmp_path: Path, write_scenario: WriteScenario) ->
     validate = subprocess.run([sys.executable, "-m", "hpo", "validate", str(scenario)], env=env,
                               capture_output=True, text=True, timeout=60, check=False)
     assert (validate.returncode, validate.stderr) == (2, "error: HPO_GPUS: GPU ids must be unique, got 1,1\n")
+
+
+def test_status_and_export_show_the_constants_a_trial_ran_with(tmp_path: Path,
+                                                               write_scenario: WriteScenario) -> None:
+    constant = {"parameters": {"epochs": {"type": "constant", "value": 3}}}
+    scenario = write_scenario(tmp_path, **constant)
+    assert run_hpo("run", scenario).returncode == 0
+    write_scenario(tmp_path, parameters={"epochs": {"type": "constant", "value": 5}})
+    exported = run_hpo("export", scenario)
+    assert exported.returncode == 0
+    rows = list(csv.DictReader(io.StringIO(exported.stdout)))
+    assert [row["epochs"] for row in rows] == ["3", "3"]
+    assert "epochs=3" in run_hpo("status", scenario).stdout

@@ -59,14 +59,15 @@ def test_rows_survive_the_round_trip_through_plain_data() -> None:
 def test_a_quiet_store_answers_from_the_file_alone(scenario: Scenario, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/q.db"
     writer = study(scenario, url)
-    assert rowcache.quiet_rows(url, "demo", "minimize") is None  # nothing cached yet
+    assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None  # nothing cached yet
     age(url)
     read = StudyStore(scenario, url, create=False).snapshot()
-    quiet = rowcache.quiet_rows(url, "demo", "minimize")
+    quiet = rowcache.quiet_rows(url, "demo", "minimize val_error")
     assert quiet is not None and presented(quiet, scenario.parameters) == read == writer.rows()
     assert [r.outcome for r in quiet] == [Outcome.COMPLETE, Outcome.COMPLETE, Outcome.FAIL, Outcome.WAITING,
                                           Outcome.WAITING]
-    assert rowcache.quiet_rows(url, "demo", "maximize") is None  # the scenario's direction changed
+    assert rowcache.quiet_rows(url, "demo", "maximize val_error") is None  # the scenario's direction changed
+    assert rowcache.quiet_rows(url, "demo", "minimize loss") is None  # the scenario's metric changed
 
 
 def test_any_write_since_the_cache_sends_readers_to_the_store(scenario: Scenario, tmp_path: Path) -> None:
@@ -75,12 +76,12 @@ def test_any_write_since_the_cache_sends_readers_to_the_store(scenario: Scenario
     age(url)
     StudyStore(scenario, url, create=False).snapshot()
     writer.record(3, TrialResult(Outcome.COMPLETE, 0.1), "f")
-    assert rowcache.quiet_rows(url, "demo", "minimize") is None  # written just now: not quiet
+    assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None  # written just now: not quiet
     age(url)  # the same age as before, but the files are not as they were
-    assert rowcache.quiet_rows(url, "demo", "minimize") is None
+    assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None
     fresh = StudyStore(scenario, url, create=False).snapshot()
     assert [r.value for r in fresh][:4] == [0.3, 0.2, None, 0.1]
-    quiet = rowcache.quiet_rows(url, "demo", "minimize")
+    quiet = rowcache.quiet_rows(url, "demo", "minimize val_error")
     assert quiet is not None and presented(quiet, scenario.parameters) == fresh
 
 
