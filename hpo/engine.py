@@ -249,6 +249,7 @@ class Sweep:
             while claimed is not None and not self._stopping.is_set():
                 ahead = books.submit(self._claim) if books else None
                 result = self._execute(slot, claimed)
+                self._announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
                     self._settle(claimed, result)
                     claimed = self._next_claim()
@@ -352,6 +353,7 @@ class Sweep:
         self.watchdog.start(self._on_fatal)
         try:
             result = self._execute(self.config.slots[0], claim)
+            self._announce(claim, result)
             self._settle(claim, result)
         finally:
             self.watchdog.stop()
@@ -359,8 +361,13 @@ class Sweep:
             raise self._fatal
         return store.rows([store.trial(claim.number)])[0], result
 
+    def _announce(self, claim: Claim, result: TrialResult) -> None:
+        """Tell the observer how ``claim`` ended (its record follows: :meth:`_settle`)."""
+        if self._observer:
+            self._observer.finished(TrialEnd(claim.number, claim.params, result))
+
     def _settle(self, claim: Claim, result: TrialResult) -> None:
-        """Record how ``claim`` ended, then tell the observer."""
+        """Record how ``claim`` ended."""
         try:
             if not self.scheduler.settle(claim, result):
                 self._say(f"trial {claim.number} had been judged lost by another worker; its result stays in "
@@ -368,8 +375,6 @@ class Sweep:
         finally:
             with self._lock:
                 self._running.pop(claim.number, None)
-        if self._observer:
-            self._observer.finished(TrialEnd(claim.number, claim.params, result))
         fault_point("settled", claim.number)
 
 

@@ -189,3 +189,18 @@ def test_a_repeated_or_nan_step_warns_nothing(tmp_path: Path, write_scenario: Wr
     assert [r.outcome for r in sweep.store.rows()] == [Outcome.COMPLETE] * 6
     assert math.isnan(sweep.store.trial(0).intermediate_values[1])
     assert not [w.message for w in caught if issubclass(w.category, (UserWarning, RuntimeWarning))]
+
+
+def test_a_slot_announces_a_trial_s_end_before_its_next_start(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    events: list[str] = []
+
+    class Ordered:
+        def started(self, start: TrialStart) -> None:
+            events.append(f"start {start.number}")
+
+        def finished(self, end: TrialEnd) -> None:
+            events.append(f"end {end.number}")
+
+    sweep = make(tmp_path, write_scenario, FakeExecutor(), parallel=1)
+    sweep.run(Ordered())
+    assert events == [f"{what} {n}" for n in range(6) for what in ("start", "end")]
