@@ -15,6 +15,12 @@ store nor a shared filesystem:
   configuration as a new trial, as it does for any lost trial;
 * the task's result: how the trial ended and the end of its log.
 
+No trial runs unseen: a task asked to end before it started never starts its trial (the
+sweep cancels it; once the sweep stops, an Event tells every worker to start none of its
+trials), and a worker ends its trial when it closes or loses the scheduler, as the trial's
+end could no longer be reported. When the scheduler goes away the sweep stops
+(:class:`SchedulerGone`) with how each of its trials ended as far as it can tell.
+
 Trial folders: when the worker sees the trial's folder (a shared filesystem), the trial
 runs there, as on this machine; otherwise it runs in the worker's scratch space while its
 log streams into the folder here, where its ``result.json`` is written too.
@@ -25,6 +31,7 @@ A trial takes ``gpus_per_trial`` of a worker's ``GPU`` resource and ``processes`
 """
 from __future__ import annotations
 
+import asyncio
 import codecs
 import hashlib
 import logging
@@ -41,13 +48,15 @@ from typing import Any
 import dask
 from dask.utils import parse_timedelta
 from distributed import CancelledError, Client, Event, KilledWorker, Variable, get_client, get_worker
-from distributed.worker import Worker
+from distributed.comm import CommClosedError
+from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
-from hpo.executor import TrialControl, TrialSpec, run_trial, save_result
+from hpo.executor import TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, plural
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import LOG_FILE, write_files
+from hpo.render import LOG_FILE, RESULT_FILE, write_files
+from hpo.results import Metrics
 from hpo.scenario import Cluster, Resources
 
 POLL_S = 0.5
@@ -105,7 +114,7 @@ class TaskOptions:
     """How every trial task of one executor runs on its worker.
 
     Args:
-        topic: the executor's event topic.
+        topic: the executor's event topic (and the prefix of its ``stopping`` Event).
         demand: what each trial takes.
         restricted: the Dask resources that trials ask for (``GPU``, ``CPU``).
         shared: whether the workers see the trial folders (None: each task checks).
@@ -130,6 +139,7 @@ class TaskReport:
         shared: whether it ran in the trial's own folder (else in scratch space).
         chunks: log chunks sent as events.
         rest: the end of the log that no event carried.
+        started: whether the trial's process started (False: it was asked to end before).
     """
 
     result: TrialResult
@@ -138,11 +148,17 @@ class TaskReport:
     shared: bool = True
     chunks: int = 0
     rest: str = ""
+    started: bool = True
 
 
 def _names(token: str) -> tuple[str, str, str]:
     """The task key, end-request Variable and first-start Event of the trial ``token``."""
     return f"hpo-trial-{token}", f"hpo-end-{token}", f"hpo-start-{token}"
+
+
+def _stopping_event(topic: str) -> str:
+    """The Event set once the sweep of the executor with ``topic`` stops."""
+    return f"{topic}-stopping"
 
 
 # --- the worker's side ------------------------------------------------------------------
@@ -215,6 +231,11 @@ def _first_start(client: Client, token: str) -> bool:
     return True
 
 
+def _not_started(spec: TrialSpec, request: str) -> TrialResult:
+    """How ``spec`` ends when ``request`` (``interrupted``, ``stopped``) came before it started."""
+    return judge(Metrics(), spec.objective, 0, request, (), 0.0, spec.timeout)
+
+
 def _trial_folder(spec: TrialSpec, worker: Worker, shared: bool | None) -> tuple[Path, bool]:
     """Where the trial runs on this worker, and whether that is its own folder."""
     if shared is None:
@@ -259,9 +280,11 @@ class _Courier:
 
     def end_request(self) -> str | None:
         """What should end the trial: the sweep's request, or ``interrupted`` when its task
-        was cancelled or the scheduler has not answered for ``scheduler_lost_s``."""
+        was cancelled, the worker is closing (it lost its scheduler, or was told to close: the
+        trial's end could not be reported) or the scheduler has not answered for
+        ``scheduler_lost_s``."""
         state = self._worker.state.tasks.get(self._key)
-        if state is None or state.state not in RUNNING_STATES:
+        if state is None or state.state not in RUNNING_STATES or self._worker.status not in WORKER_ANY_RUNNING:
             return "interrupted"
         if self._request is None and time.monotonic() - self._heard > self._lost_s:
             return "interrupted"
@@ -351,6 +374,11 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     except ValueError as exc:
         return TaskReport(TrialResult(Outcome.FAIL, reason=str(exc)), worker.address)
     try:
+        courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
+        stopping = Event(_stopping_event(options.topic), client=client).is_set()
+        asked = courier.end_request() or ("interrupted" if stopping else None)
+        if asked is not None:  # the sweep stops, or the worker closes, before it started: it does not start
+            return TaskReport(_not_started(spec, asked), worker.address, gpus, shared, started=False)
         slot = replace(spec.slot, gpus=gpus, threads=trial_threads(worker, options),
                        share=demand.share if gpus else 1)
         if not shared:  # in the trial's own folder, the sweep has written them already
@@ -358,7 +386,6 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
         with (folder / LOG_FILE).open("a") as log:
             log.write(f"hpo: runs on Dask worker {worker.address} (host {socket.gethostname()}, "
                       f"{slot.describe()}, folder {folder})\n")
-        courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
         courier.start()
         try:
             place = {"worker": worker.address, "host": socket.gethostname(), "folder": str(folder),
@@ -373,6 +400,20 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
 
 
 # --- the sweep's side -------------------------------------------------------------------
+
+
+class SchedulerGone(ExecutorUnavailable):
+    """The Dask scheduler is gone; ``result`` is how the trial being run ended, as far as the
+    sweep can tell (the worker's own result, else INTERRUPTED)."""
+
+    def __init__(self, message: str, result: TrialResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _gone_before_start(message: str) -> TrialResult:
+    """A trial whose task had not started when the scheduler went away (``message``)."""
+    return TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {message}; it runs again")
 
 
 class _Watch:
@@ -439,6 +480,8 @@ class DaskExecutor:
         self._events: dict[str, queue.Queue[Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._stopping = False
+        self._stopping_lock = threading.Lock()
         client.subscribe_topic(self.options.topic, self._on_event)
         self.watch = _Watch(client, self.address)
 
@@ -474,11 +517,14 @@ class DaskExecutor:
             target.put(message)
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
-        """See :class:`~hpo.executor.Executor`; raises ExecutorUnavailable when the scheduler is gone."""
+        """See :class:`~hpo.executor.Executor`; raises :class:`SchedulerGone` when the scheduler
+        is gone. A trial asked to end before its task started never starts: it ends INTERRUPTED
+        (or STOPPED) after 0 s, without ``control.started``."""
         if self.watch.gone:
-            raise ExecutorUnavailable(self.watch.gone)
+            raise SchedulerGone(self.watch.gone, _gone_before_start(self.watch.gone))
         key, end, start = _names(spec.token)
         write_files(spec.folder, spec.files)
+        (spec.folder / RESULT_FILE).unlink(missing_ok=True)  # a result.json here is this start's
         (spec.folder / MARKER).write_text(spec.token)
         events: queue.Queue[Any] = queue.Queue()
         with self._lock:
@@ -490,7 +536,8 @@ class DaskExecutor:
                                             resources=self.demand.restrictions(self.options.restricted))
             except Exception as exc:
                 if not self.connected():
-                    raise ExecutorUnavailable(f"the Dask scheduler at {self.address} is gone") from exc
+                    gone = f"the Dask scheduler at {self.address} is gone"
+                    raise SchedulerGone(gone, _gone_before_start(gone)) from exc
                 raise
             future.add_done_callback(lambda _: events.put(_DONE))
             return _Following(self, spec, control, future, events).result()
@@ -513,9 +560,27 @@ class DaskExecutor:
             return
         try:
             Variable(end, client=self.client).delete()
-            Event(start, client=self.client).clear()
         except Exception:  # the scheduler went away meanwhile: nothing is left to drop
-            logger.debug("cannot drop the Variable and Event of %s", end, exc_info=True)
+            logger.debug("cannot drop the Variable %s", end, exc_info=True)
+        self._forget_event(start)
+
+    def _forget_event(self, name: str) -> None:
+        """Drop the Event ``name`` on the scheduler (when it is there)."""
+        try:
+            Event(name, client=self.client).clear()
+        except Exception:  # the scheduler went away meanwhile: nothing is left to drop
+            logger.debug("cannot drop the Event %s", name, exc_info=True)
+
+    def stopping(self) -> None:
+        """The sweep stops: once this returns, no task of this executor starts its trial."""
+        with self._stopping_lock:
+            if self._stopping:
+                return
+            try:
+                Event(_stopping_event(self.options.topic), client=self.client).set()
+            except Exception:  # the scheduler is gone: no task starts anyway
+                logger.debug("cannot mark the sweep stopping", exc_info=True)
+            self._stopping = True
 
     def close(self) -> None:
         """Stop watching, disconnect, and close what the executor owns (idempotent)."""
@@ -525,6 +590,8 @@ class DaskExecutor:
         self.watch.stop()
         if self.client.status == "running":
             self.client.unsubscribe_topic(self.options.topic)
+            if self._stopping:
+                self._forget_event(_stopping_event(self.options.topic))
         self.client.close()
         for thing in self._owned:
             thing.close()
@@ -546,6 +613,8 @@ class _Following:
         self._worker: str | None = None
         self._missing_since: float | None = None
         self._started = False
+        self._started_at = 0.0
+        self._shared = False
         self._chunks = 0
         self._verdict: TrialResult | None = None
 
@@ -567,8 +636,9 @@ class _Following:
     def _handle(self, message: Mapping[str, Any]) -> None:
         kind = message.get("kind")
         if kind == "started" and not self._started:
-            self._started = True
+            self._started, self._started_at = True, time.monotonic()
             self._worker = str(message.get("worker", ""))
+            self._shared = bool(message.get("shared"))
             self._control.started(tuple(message.get("gpus", ())))
         elif kind == "value" and self._control.intermediate(int(message["step"]), float(message["value"])):
             self._ask("pruned")
@@ -585,6 +655,8 @@ class _Following:
     def _ask(self, request: str) -> None:
         if self._asked in (None, "pruned") and request != self._asked:
             self._asked, self._asked_at = request, time.monotonic()
+            if request == "interrupted":  # before any trial is ended: a worker it frees starts none
+                self._executor.stopping()
             try:
                 Variable(_names(self._spec.token)[1], client=self._executor.client).set(request)
             except Exception:  # the scheduler is gone: _check ends the trial
@@ -597,7 +669,10 @@ class _Following:
             self._ask(request)
         watch = self._executor.watch
         if watch.gone:
-            raise ExecutorUnavailable(watch.gone)
+            raise self._gone(watch.gone)
+        if self._asked is not None and not self._started:  # still queued in Dask: it never starts
+            self._cancel(_not_started(self._spec, self._asked))
+            return
         now = time.monotonic()
         if self._asked == "interrupted" and now - self._asked_at > INTERRUPT_GRACE_S:
             self._cancel(TrialResult(Outcome.INTERRUPTED, reason="interrupted: the sweep was stopped; its Dask task "
@@ -618,7 +693,7 @@ class _Following:
             return TrialResult(Outcome.LOST, reason=f"lost: Dask workers died running it ({exc})")
         except CancelledError as exc:
             if not self._executor.connected():
-                raise ExecutorUnavailable(f"the Dask scheduler at {self._executor.address} is gone") from exc
+                raise self._gone(f"the Dask scheduler at {self._executor.address} is gone") from exc
             verdict = TrialResult(Outcome.INTERRUPTED, reason="interrupted: the Dask scheduler dropped its task "
                                   "(restarted?); it runs again")
             self._note(f"hpo: {verdict.reason}\n")
@@ -626,13 +701,50 @@ class _Following:
         if report.result.outcome is Outcome.LOST:
             self._note(f"hpo: {report.result.reason} (worker {self._worker})\n")
             return report.result
+        if not report.started:
+            self._note(f"hpo: not started on Dask worker {report.worker}: {report.result.reason}\n")
+            return report.result
         if not self._started:
             self._control.started(report.gpus)
-        if report.shared:
-            return report.result
-        self._drain(report.chunks)
-        self._note(report.rest)
-        return save_result(self._spec.folder, self._spec.number, report.result)
+        result = report.result
+        if not report.shared:
+            self._drain(report.chunks)
+            self._note(report.rest)
+        if result.outcome is Outcome.INTERRUPTED and self._asked != "interrupted":  # its worker ended it
+            result = TrialResult(Outcome.LOST, duration_s=result.duration_s,
+                                 reason=f"lost: its Dask worker {report.worker} closed or lost the scheduler")
+            self._note(f"hpo: {result.reason}\n")
+        elif report.shared:
+            return result
+        return save_result(self._spec.folder, self._spec.number, result)
+
+    def _gone(self, message: str) -> SchedulerGone:
+        """The scheduler is gone, with how the trial ended as far as this side can tell. A
+        worker ends its trial when it loses the scheduler; where the trial ran in its own
+        folder, what it wrote there (within ``INTERRUPT_GRACE_S``) stands: a trial that
+        completed meanwhile is COMPLETE. Else it is INTERRUPTED after the time it ran."""
+        interrupted = f"interrupted: {message}; it runs again"
+        written = self._written() if self._started and self._shared else None
+        if not self._started:
+            result = _gone_before_start(message)
+        elif written is None:
+            result = TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - self._started_at,
+                                 reason=interrupted)
+        elif written.outcome is Outcome.INTERRUPTED:  # by its worker, which lost the scheduler
+            result = replace(written, reason=interrupted)
+        else:
+            result = written
+        self._note(f"hpo: {message}; the trial ended {result.outcome}\n")
+        return SchedulerGone(message, result)
+
+    def _written(self) -> TrialResult | None:
+        """The result the worker writes into the trial's folder, waited for ``INTERRUPT_GRACE_S``."""
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while (written := saved_result(self._spec.folder, self._spec.number)) is None:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(CHECK_S)
+        return written
 
     def _drain(self, chunks: int) -> None:
         """Wait (a little) for the log chunks still on their way."""
@@ -656,11 +768,12 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     writing their output into ``job_logs``.
 
     ``timeout`` bounds connecting and reconnecting: a scheduler unreachable for that long
-    is gone (default: Dask's ``distributed.comm.timeouts.connect``). A scheduler that cannot
-    be reached at first is bad input: an InputError naming ``field`` (the address's origin),
-    at once where nothing listens at a TCP address for ``REFUSED_GRACE_S`` (a scheduler
-    that is starting listens within that), else after ``timeout``. InputError too when a
-    batch job cannot run one trial.
+    is gone (default: Dask's ``distributed.comm.timeouts.connect``). An address where no
+    Dask scheduler answers at first is bad input: an InputError naming ``field`` (the
+    address's origin), at once where nothing listens at a TCP address for
+    ``REFUSED_GRACE_S`` (a scheduler that is starting listens within that), else as soon as
+    what listens there fails Dask's handshake, or after ``timeout`` where it stays silent.
+    InputError too when a batch job cannot run one trial.
     """
     if timeout is None:
         timeout = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
@@ -670,6 +783,9 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     unreachable = f"{field}: cannot reach the Dask scheduler at {address}"
     if nothing_listens(address):
         raise InputError(f"{unreachable}: connection refused (is the scheduler running there?)")
+    problem = scheduler_problem(address, timeout)
+    if problem is not None:
+        raise InputError(f"{field}: no Dask scheduler answers at {address} ({problem})")
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError) as exc:
@@ -703,6 +819,44 @@ def nothing_listens(address: str) -> bool:
             time.sleep(0.25)
         except OSError:
             return False
+
+
+def scheduler_problem(address: str, timeout: float) -> str | None:
+    """None when a Dask scheduler answers at ``address`` within ``timeout`` seconds (Dask's
+    handshake, then its ``identity``); else why not, in words."""
+    try:
+        reply = asyncio.run(asyncio.wait_for(_identity(address), timeout))
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except CommClosedError:
+        return "it closed the connection: it does not speak Dask's protocol"
+    except OSError as exc:
+        return str(exc)
+    except Exception:  # garbage read as Dask frames: a huge length, bytes that are no msgpack
+        return "what answers does not speak Dask's protocol"
+    if isinstance(reply, Mapping) and reply.get("type") == "Scheduler":
+        return None
+    return "a Dask process answers, but it is not a scheduler"
+
+
+async def _identity(address: str) -> Any:
+    """What the Dask server at ``address`` says it is; the connection is closed after."""
+    from distributed.comm import registry
+    from distributed.comm.addressing import parse_address
+    from distributed.security import Security
+
+    protocol, location = parse_address(address)
+    connector = registry.get_backend(protocol).get_connector()
+    comm = await connector.connect(location, **Security().get_connection_args("client"))
+    try:
+        local = comm.handshake_info()
+        await comm.write(local)
+        remote = await comm.read()
+        comm.handshake_options = comm.handshake_configuration(local, remote)
+        await comm.write({"op": "identity", "n_workers": 0, "reply": True})
+        return await comm.read()
+    finally:
+        comm.abort()
 
 
 def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None,

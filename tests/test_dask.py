@@ -1,9 +1,11 @@
 """Trials on a Dask cluster: a real ``dask scheduler`` and ``dask worker`` processes on this
 machine (one offering two fake GPUs), sweeps across them, pruning, stop requests, timeouts,
-a worker killed mid-trial, the scheduler going away; dask-jobqueue job scripts and scaling."""
+a worker killed mid-trial, the scheduler going away, addresses where no scheduler answers;
+dask-jobqueue job scripts and scaling."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
@@ -22,12 +24,22 @@ import pytest
 from conftest import WriteScenario, cli_env, run_hpo
 from distributed import Client
 
-from hpo.dask_executor import DaskExecutor, Demand, GpuPool, nothing_listens, open_cluster, worker_gpus
+from hpo.dask_executor import (
+    DaskExecutor,
+    Demand,
+    GpuPool,
+    SchedulerGone,
+    nothing_listens,
+    open_cluster,
+    worker_gpus,
+)
 from hpo.engine import Sweep, SweepConfig
+from hpo.errors import InputError
 from hpo.executor import TrialSpec, saved_result
 from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
 from hpo.launch import TOKEN_ENV, Slot
 from hpo.outcome import Outcome
+from hpo.recovery import run_info
 from hpo.render import LOG_FILE, TrialFile
 from hpo.rows import TrialRow
 from hpo.scenario import Cluster, Objective, Resources, load_scenario
@@ -133,6 +145,74 @@ def test_a_scheduler_that_starts_within_the_grace_is_waited_for(tmp_path: Path) 
         later.join()
         started[0].kill()
         started[0].wait()
+
+
+@pytest.fixture(params=["silent", "ssh", "http"])
+def impostor(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The address of a TCP listener that is no Dask scheduler: it accepts and says nothing,
+    greets as an SSH server, or is an HTTP server."""
+    if request.param == "http":
+        class Quiet(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                """No line per request on the test's output."""
+
+        web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+        thread = threading.Thread(target=web.serve_forever, daemon=True)
+        thread.start()
+        yield f"tcp://127.0.0.1:{web.server_address[1]}"
+        web.shutdown()
+        web.server_close()
+        return
+    greeting = b"SSH-2.0-OpenSSH_8.9p1\r\n" if request.param == "ssh" else b""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at teardown
+                return
+            accepted.append(conn)
+            conn.sendall(greeting)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    server.shutdown(socket.SHUT_RDWR)
+    server.close()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+
+
+def test_an_address_where_no_scheduler_answers_is_bad_input_within_the_connect_timeout(impostor: str) -> None:
+    caught: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            open_cluster(Cluster(address=impostor), Resources(), timeout=2, field="--cluster").close()
+        except BaseException as exc:
+            caught.append(exc)
+
+    began = time.monotonic()
+    opener = threading.Thread(target=connect, daemon=True)
+    opener.start()
+    opener.join(20)
+    assert not opener.is_alive(), "connecting to a listener that is no Dask scheduler hangs"
+    assert len(caught) == 1 and isinstance(caught[0], InputError), caught
+    assert str(caught[0]).startswith(f"--cluster: no Dask scheduler answers at {impostor} ("), caught[0]
+    assert time.monotonic() - began < 2 + 3
+
+
+def test_hpo_run_on_an_address_where_no_scheduler_answers_says_so_in_one_line(
+        write_scenario: WriteScenario, tmp_path: Path, impostor: str) -> None:
+    env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"}
+    done = subprocess.run([sys.executable, "-m", "hpo", "run", str(write_scenario(tmp_path)), "--cluster", impostor],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: --cluster: no Dask scheduler answers at {impostor} (")
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -255,13 +335,15 @@ def test_what_a_trial_takes_of_a_worker(resources: dict[str, Any], demand: Deman
 
 
 class Control:
-    """The sweep's side, scripted: prune at ``prune_at``, ask ``end`` once started."""
+    """The sweep's side, scripted: prune at ``prune_at``, ask ``end`` once started, or
+    ``interrupted`` at once when ``stopping`` (the sweep stops)."""
 
     def __init__(self, prune_at: int | None = None, end: str | None = None) -> None:
         self.gpus: tuple[int, ...] | None = None
         self.values: list[tuple[int, float]] = []
         self.prune_at = prune_at
         self.end = end
+        self.stopping = False
 
     def started(self, gpus: Any) -> None:
         self.gpus = tuple(gpus)
@@ -271,6 +353,8 @@ class Control:
         return self.prune_at is not None and step >= self.prune_at
 
     def end_request(self) -> str | None:
+        if self.stopping:
+            return "interrupted"
         return self.end if self.gpus is not None else None
 
 
@@ -386,6 +470,8 @@ def test_the_scheduler_going_away_stops_the_sweep_and_a_resume_finishes_it(
     assert run.returncode == 1, err
     assert err.startswith(f"error: the Dask scheduler at {own_cluster.address} is gone; run the same command to "
                           "resume") and err.count("\n") == 1, err
+    tokens = [str(run_info(trial)["token"]) for trial in study_store(path).trials() if run_info(trial)]
+    assert tokens and not [token for token in tokens if tokens_alive(token)], "trials run on without their sweep"
     states = {row.outcome for row in study_rows(path)}
     assert Outcome.INTERRUPTED in states and Outcome.RUNNING not in states
     hold.unlink()
@@ -401,10 +487,206 @@ def test_the_scheduler_going_away_stops_the_sweep_and_a_resume_finishes_it(
     assert {row.outcome for row in rows} == {Outcome.COMPLETE, Outcome.INTERRUPTED}
 
 
+def held(hold: Path) -> str:
+    """A trial's code that runs while ``hold`` exists, then reports val_error=0.5."""
+    return (f"import os, time\nprint('held', flush=True)\nwhile os.path.exists({str(hold)!r}):\n"
+            "    time.sleep(0.05)\nprint('val_error=0.5')\n")
+
+
+def wait_for(condition: Any, what: str, seconds: float = START_S) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Running:
+    """``executor.run(spec, control)`` in a thread: its result, or what it raised."""
+
+    def __init__(self, executor: DaskExecutor, spec: TrialSpec, control: Control) -> None:
+        self.spec = spec
+        self.control = control
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(executor,), daemon=True)
+        self.thread.start()
+
+    def _run(self, executor: DaskExecutor) -> None:
+        try:
+            self.result = executor.run(self.spec, self.control)
+        except BaseException as exc:
+            self.error = exc
+
+    def log(self) -> str:
+        log = self.spec.folder / LOG_FILE
+        return log.read_text() if log.exists() else ""
+
+
+def test_the_scheduler_dying_ends_trials_on_their_workers_and_the_sweep_keeps_what_they_wrote(
+        own_cluster: LocalDask, tmp_path: Path) -> None:
+    """Trial a completes while the scheduler hangs, then the scheduler is killed while trial b
+    runs and trial c waits in Dask's queue: b's worker kills it at once (it does not run on
+    unseen), and the sweep's side says how each ended: a COMPLETE (its result.json), b
+    INTERRUPTED after the time it ran, c INTERRUPTED after 0 s without having started."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=3, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10)
+    holds = {name: tmp_path / f"hold-{name}" for name in "abc"}
+    for hold in holds.values():
+        hold.touch()
+    runs = {name: Running(executor, trial_spec(tmp_path / name, held(hold), f"gone-{name}"), Control())
+            for name, hold in holds.items()}
+    try:
+        wait_for(lambda: sum("held" in run.log() for run in runs.values()) == 2, "two trials did not start")
+        queued = next(name for name, run in runs.items() if "held" not in run.log())
+        done, killed = (name for name in "abc" if name != queued)
+        own_cluster.scheduler.send_signal(signal.SIGSTOP)
+        holds[done].unlink()
+        wait_for(lambda: saved_result(runs[done].spec.folder, 5) is not None, "the trial did not complete", 10)
+        own_cluster.scheduler.kill()
+        began = time.monotonic()
+        wait_for(lambda: not tokens_alive(runs[killed].spec.token), "the trial runs on without its scheduler", 10)
+        assert time.monotonic() - began < 5
+        for run in runs.values():
+            run.thread.join(30)
+        assert all(isinstance(run.error, SchedulerGone) for run in runs.values()), [r.error for r in runs.values()]
+        results = {name: run.error.result for name, run in runs.items()}  # type: ignore[union-attr]
+        assert (results[done].outcome, results[done].value) == (Outcome.COMPLETE, 0.5)
+        assert results[killed].outcome is Outcome.INTERRUPTED and 0 < results[killed].duration_s < 30
+        written = saved_result(runs[killed].spec.folder, 5)
+        assert written is not None and written.duration_s == results[killed].duration_s
+        assert f"the Dask scheduler at {own_cluster.address} is gone" in results[killed].reason
+        assert (results[queued].outcome, results[queued].duration_s) == (Outcome.INTERRUPTED, 0.0)
+        assert "before it started" in results[queued].reason and runs[queued].control.gpus is None
+    finally:
+        for hold in holds.values():
+            hold.unlink(missing_ok=True)
+        executor.close()
+
+
+@pytest.mark.parametrize("first", ["queued", "running"])
+def test_a_trial_queued_in_dask_when_the_sweep_stops_never_starts(own_cluster: LocalDask, tmp_path: Path,
+                                                                  first: str) -> None:
+    """Two trials hold both workers, a third waits in Dask's queue; the sweep stops, and the
+    first to see it is the queued trial's side (its task is cancelled at once) or a running
+    trial's (whose end frees a worker: the queued trial must not start there either)."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10)
+    hold = tmp_path / "hold"
+    hold.touch()
+    runs = [Running(executor, trial_spec(tmp_path / str(i), held(hold), f"queued-{i}"), Control()) for i in range(3)]
+    try:
+        wait_for(lambda: sum("held" in run.log() for run in runs) == 2, "two trials did not start")
+        queued = next(run for run in runs if "held" not in run.log())
+        seeing = queued if first == "queued" else next(run for run in runs if run is not queued)
+        seeing.control.stopping = True
+        seeing.thread.join(10)
+        assert not seeing.thread.is_alive(), "the trial that saw the sweep stop did not end"
+        assert seeing.error is None and seeing.result.outcome is Outcome.INTERRUPTED
+        time.sleep(1.0)
+        hold.unlink()
+        for run in runs:
+            run.thread.join(30)
+        assert queued.error is None and (queued.result.outcome, queued.result.duration_s) == (Outcome.INTERRUPTED, 0)
+        assert queued.control.gpus is None and "runs on Dask worker" not in queued.log()
+    finally:
+        hold.unlink(missing_ok=True)
+        executor.close()
+
+
+def test_a_trial_its_worker_ends_on_its_own_is_lost(own_cluster: LocalDask, tmp_path: Path) -> None:
+    """A scheduler that does not answer the worker for ``scheduler_lost_s`` (a network
+    partition) makes the worker end its trial; when the scheduler answers again and the
+    task's result comes back, the trial is LOST (its worker gave up on it), not INTERRUPTED
+    as if the sweep had stopped."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=1.5)
+    hold = tmp_path / "hold"
+    hold.touch()
+    run = Running(executor, trial_spec(tmp_path, held(hold), "partition"), Control())
+    try:
+        wait_for(lambda: "held" in run.log(), "the trial did not start")
+        own_cluster.scheduler.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: not tokens_alive(run.spec.token), "the worker did not end the trial", 15)
+        finally:
+            own_cluster.scheduler.send_signal(signal.SIGCONT)
+        run.thread.join(30)
+        assert run.error is None and run.result.outcome is Outcome.LOST, (run.result, run.error)
+        assert "closed or lost the scheduler" in run.result.reason
+        assert saved_result(run.spec.folder, 5) == run.result
+    finally:
+        hold.unlink(missing_ok=True)
+        executor.close()
+
+
+def submitted(work: Path) -> list[Path]:
+    """The folders of the trials a sweep in ``work`` has handed to Dask and not yet seen end."""
+    return [marker.parent for marker in work.glob("trial-*/.hpo-token")]
+
+
+def started(folder: Path) -> bool:
+    """Whether the HELD trial in ``folder`` has started."""
+    return "held" in ((folder / LOG_FILE).read_text() if (folder / LOG_FILE).exists() else "")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "scheduler killed"])
+def test_trials_still_queued_in_dask_go_back_to_waiting(own_cluster: LocalDask, write_scenario: WriteScenario,
+                                                        tmp_path: Path, how: str) -> None:
+    """Three slots on two one-thread workers (six trials: each slot has one and one claimed
+    ahead), so a trial waits in Dask's queue. When the sweep stops (Ctrl-C) or its scheduler
+    is killed, the running trials are INTERRUPTED; the queued one never starts and goes back
+    to WAITING, as trials claimed ahead do. The same command finishes the sweep."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    path = write_scenario(tmp_path, template_text=HELD, search={"trials": 6, "seed": 3},
+                          parameters={"x": {"type": "float", "low": 0.0, "high": 1.0},
+                                      "hold": {"type": "constant", "value": str(hold)}},
+                          resources={"timeout": 60, "parallel": 3})
+    work = path.parent / "runs" / "demo"
+    env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s"}
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", own_cluster.address],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(submitted(work)) == 3 and sum(map(started, submitted(work))) == 2,
+                 "two trials did not start beside a third in Dask's queue")
+        queued = next(folder for folder in submitted(work) if not started(folder))
+        time.sleep(0.5)
+        if how == "ctrl-c":
+            run.send_signal(signal.SIGINT)
+        else:
+            own_cluster.scheduler.kill()
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == (130 if how == "ctrl-c" else 1), err
+    rows = {row.number: row for row in study_rows(path)}
+    assert rows[int(queued.name.removeprefix("trial-"))].outcome is Outcome.WAITING, (rows, (queued / LOG_FILE).read_text(), err)
+    assert "runs on Dask worker" not in (queued / LOG_FILE).read_text()
+    assert sorted(row.outcome for row in rows.values() if row.requeue_of is None and row.outcome.ended) == [
+        Outcome.INTERRUPTED] * 2
+    hold.unlink()
+    fresh = LocalDask(tmp_path / "fresh") if how != "ctrl-c" else own_cluster
+    try:
+        if fresh is not own_cluster:
+            fresh.worker("w", 2)
+        done = run_hpo("run", path, "--cluster", fresh.address, timeout=120)
+    finally:
+        if fresh is not own_cluster:
+            fresh.close()
+    assert done.returncode == 0, done.stderr
+    assert sum(row.outcome is Outcome.COMPLETE for row in study_rows(path)) == 6
+
+
+def study_store(path: Path) -> StudyStore:
+    """The study that ``hpo run`` keeps beside ``path``."""
+    scenario = load_scenario(path)
+    return StudyStore(scenario, storage_url(scenario, None, scenario.default_workdir()), create=False)
+
+
 def study_rows(path: Path) -> list[TrialRow]:
     """The rows of the study that ``hpo run`` keeps beside ``path``."""
-    scenario = load_scenario(path)
-    return StudyStore(scenario, storage_url(scenario, None, scenario.default_workdir()), create=False).rows()
+    return study_store(path).rows()
 
 
 SLURM = Cluster(kind="slurm", jobs=4, cores=8, memory="32GB", gpus=2, walltime="02:00:00", queue="gpu",
