@@ -330,7 +330,8 @@ class Sweep:
             raise
         except ExecutorUnavailable as exc:
             self._on_fatal(exc)
-            return TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start, reason=f"interrupted: {exc}")
+            return exc.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
+                                             reason=f"interrupted: {exc}")
         except Exception as exc:
             claim.folder.mkdir(parents=True, exist_ok=True)
             with (claim.folder / LOG_FILE).open("a") as log:
@@ -361,13 +362,23 @@ class Sweep:
             raise self._fatal
         return store.rows([store.trial(claim.number)])[0], result
 
+    def _never_started(self, claim: Claim, result: TrialResult) -> bool:
+        """Whether ``claim`` was INTERRUPTED before its executor started it (a Dask task still
+        queued when the sweep stopped or its scheduler went away): it goes back to WAITING."""
+        with self._lock:
+            running = self._running.get(claim.number)
+        return result.outcome is Outcome.INTERRUPTED and running is not None and not running.started
+
     def _announce(self, claim: Claim, result: TrialResult) -> None:
         """Tell the observer how ``claim`` ended (its record follows: :meth:`_settle`)."""
-        if self._observer:
+        if self._observer and not self._never_started(claim, result):
             self._observer.finished(TrialEnd(claim.number, claim.params, result))
 
     def _settle(self, claim: Claim, result: TrialResult) -> None:
-        """Record how ``claim`` ended."""
+        """Record how ``claim`` ended (back to WAITING if it never started)."""
+        if self._never_started(claim, result):
+            self._release(claim)
+            return
         try:
             if not self.scheduler.settle(claim, result):
                 self._say(f"trial {claim.number} had been judged lost by another worker; its result stays in "

@@ -2,6 +2,11 @@
 that is gone (exit 1)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpo.outcome import TrialResult
+
 
 class InputError(Exception):
     """Bad input: a scenario, design CSV, template or argument.
@@ -12,8 +17,13 @@ class InputError(Exception):
 
 
 class ExecutorUnavailable(Exception):
-    """The executor can run no more trials (its Dask scheduler is gone): the sweep stops, its
-    running trials are recorded INTERRUPTED and run again on resume."""
+    """The executor can run no more trials (its Dask scheduler is gone): the sweep stops.
+
+    ``result`` is how the trial being run ended where the executor could tell (a result its
+    worker wrote); None: it is recorded INTERRUPTED. An INTERRUPTED trial runs again on resume.
+    """
+
+    result: TrialResult | None = None
 
 
 class StoreUnavailable(Exception):
