@@ -53,12 +53,10 @@ class LockLost(Exception):
 
 
 def storage_url(scenario: Any, override: str | None = None, workdir: Path | None = None) -> str:
-    """The study's storage URL: ``--storage``, the scenario's ``storage``, or SQLite in the workdir."""
-    if override:
-        return override
-    if scenario.storage:
-        return scenario.storage
-    return f"sqlite:///{(workdir or scenario.default_workdir()) / 'study.db'}"
+    """The study's storage URL: ``--storage``, the scenario's ``storage``, or SQLite in the
+    workdir. ``postgres://`` (Heroku's and libpq's spelling) is read as ``postgresql://``."""
+    url = override or scenario.storage or f"sqlite:///{(workdir or scenario.default_workdir()) / 'study.db'}"
+    return "postgresql://" + url[len("postgres://"):] if url.startswith("postgres://") else url
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -258,14 +256,21 @@ class _SQLiteConnection(sqlite3.Connection):
         self.execute("PRAGMA synchronous=NORMAL")
 
 
-def redact(url: str) -> str:
-    """``url`` with any password masked, for messages."""
-    try:
-        from sqlalchemy.engine import make_url
+_SECRET_QUERY = re.compile(r"(?i)\b((?:ssl)?password|passwd|pwd)=[^&#]*")
 
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
+
+def redact(url: str) -> str:
+    """``url`` with any password masked, for messages: the one after ``user:`` (up to the
+    last ``@``, so a password holding an unencoded ``@`` or ``/`` is masked whole) and a
+    ``password=`` query parameter."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    head, query_sep, query = rest.partition("?")
+    user, at, host = head.rpartition("@")
+    if at and ":" in user:
+        head = f"{user.split(':', 1)[0]}:***@{host}"
+    return f"{scheme}://{head}{query_sep}{_SECRET_QUERY.sub(lambda m: f'{m.group(1)}=***', query)}"
 
 
 def optuna_url(url: str) -> str:

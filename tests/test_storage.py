@@ -19,7 +19,7 @@ from optuna.storages import JournalStorage, RDBStorage
 import hpo.storage
 from hpo.errors import InputError, StoreUnavailable
 from hpo.scenario import load_scenario
-from hpo.storage import Retrying, ask_lock, check_url, open_storage, optuna_url, reach, storage_url
+from hpo.storage import Retrying, ask_lock, check_url, open_storage, optuna_url, reach, redact, storage_url
 
 WriteScenario = Callable[..., Path]
 POSTGRES = os.environ.get("HPO_TEST_POSTGRES_URL")
@@ -375,3 +375,19 @@ def test_processes_creating_one_store_at_once_all_open_it(tmp_path: Path) -> Non
         process.join(timeout=120)
     assert [process.exitcode for process in processes] == [0, 0, 0, 0]
     optuna.create_study(study_name="after", storage=open_storage(f"sqlite:///{database}", create=False))
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://hpo:s3cret@db:5432/hpo", "postgresql://hpo:***@db:5432/hpo"),
+    ("postgresql://db:5432/hpo?user=hpo&password=s3cret", "postgresql://db:5432/hpo?user=hpo&password=***"),
+    ("postgresql://hpo:p@ss/s3cret@db:5432/hpo", "postgresql://hpo:***@db:5432/hpo"),  # unencoded @ and /
+    ("mysql+pymysql://u:s3cret@db/hpo?charset=utf8&PWD=s3cret", "mysql+pymysql://u:***@db/hpo?charset=utf8&PWD=***"),
+    ("sqlite:////tmp/a@b/study.db", "sqlite:////tmp/a@b/study.db"),
+])
+def test_no_message_shows_a_password(url: str, shown: str) -> None:
+    assert redact(url) == shown and "s3cret" not in optuna_url(url)
+
+
+def test_postgres_scheme_is_postgresql(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path))
+    assert storage_url(scenario, override="postgres://u:p@db/hpo") == "postgresql://u:p@db/hpo"
