@@ -150,15 +150,19 @@ class _Signals:
         return 128 + self.signum
 
 
-def _plan(ctx: Context, at_least: int = 1, parallel: int | None = None, gpus: str | None = None) -> tuple[Any, ...]:
+def _plan(ctx: Context, at_least: int = 1, parallel: int | str | None = None, gpus: str | None = None) -> tuple[Any, ...]:
     from hpo.launch import detect_gpus, gpu_ids, plan_slots
 
     updates: dict[str, Any] = {}
     if parallel is not None:
         updates["parallel"] = parallel
+    found = detect_gpus()
     if gpus is not None:
         updates["gpus"] = gpu_ids(gpus, "--gpus")
-    return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least)
+        absent = [g for g in updates["gpus"] if g not in found]
+        if found and absent:
+            raise InputError(f"--gpus: GPU {absent[0]} is not on this machine (it has GPUs {','.join(map(str, found))})")
+    return plan_slots(ctx.scenario.resources.model_copy(update=updates), found, at_least=at_least)
 
 
 def describe_plan(slots: Sequence[Any], executor: Any = None) -> str:
@@ -246,6 +250,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     from hpo.engine import Sweep
     from hpo.launch import die_with_parent
     from hpo.progress import ProgressView, follow_store
+    from hpo.storage import redact
 
     workers = args.workers
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
@@ -266,7 +271,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
         log.flush()
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
-    print(f"started {workers} workers on {ctx.storage} (logs: {ctx.workdir}/worker-*.log)", flush=True)
+    print(f"started {workers} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log)", flush=True)
 
     def forward(signum: int) -> None:
         for proc in procs:
@@ -298,7 +303,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.slots:
         slots = tuple(Slot(**{**item, "gpus": tuple(item["gpus"])}) for item in json.loads(args.slots))
     elif executor:
-        slots = executor.plan(parallel=args.parallel)
+        slots = executor.plan(parallel=None if args.parallel == "auto" else args.parallel)
     else:
         slots = _plan(ctx, parallel=args.parallel, gpus=args.gpus)
     return _run_sweep(ctx, slots, seed, args, executor)
@@ -601,8 +606,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         server = make_server(args.host, args.port, wsgi(store.optuna_storage), handler_class=QuietHandler)
     except OSError as exc:
         raise InputError(f"--port: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    print(f"optuna-dashboard on http://{args.host}:{args.port}/dashboard/ (study {ctx.scenario.name}); "
-          "Ctrl-C ends it", flush=True)
+    print(f"optuna-dashboard on http://{args.host}:{server.server_port}/dashboard/ (study {ctx.scenario.name}; "
+          "it lists every study of the store); Ctrl-C ends it", flush=True)
 
     def stop(signum: int, frame: Any) -> None:
         """End the server between requests (an exception raised inside one would be swallowed by it)."""
@@ -648,7 +653,7 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
 
 def _worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_seed, help="this worker's seed (default: scenario seed + pid)")
-    parser.add_argument("--parallel", type=_positive, help="task slots of this worker (default: the scenario's)")
+    parser.add_argument("--parallel", type=_slots, help="task slots of this worker, or auto (default: the scenario's)")
     parser.add_argument("--gpus", help="GPU ids this worker may use, e.g. 0,1")
     parser.add_argument("--slots", help=argparse.SUPPRESS)
     _cluster_arg(parser)
@@ -704,6 +709,11 @@ def _whole(text: str, low: int, high: int | None = None) -> int:
 
 def _positive(text: str) -> int:
     return _whole(text, 1)
+
+
+def _slots(text: str) -> int | str:
+    """``--parallel``: a whole number of 1 or more, or ``auto``."""
+    return text if text == "auto" else _positive(text)
 
 
 def _seed(text: str) -> int:

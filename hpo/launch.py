@@ -101,6 +101,10 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     gives each worker a slot); an InputError names the setting that cannot be met.
     """
     ids = tuple(resources.gpus) if resources.gpus is not None else tuple(gpus)
+    absent = [g for g in ids if g not in gpus]
+    if gpus and absent:  # none found: nvidia-smi may be missing, and resources.gpus says what there is
+        raise InputError(f"resources.gpus: GPU {absent[0]} is not on this machine (it has GPUs "
+                         f"{','.join(map(str, gpus))}; {GPU_ENV} overrides what nvidia-smi shows)")
     cpus = cpu_count or os.cpu_count() or 1
     wanted = resources.parallel
     share = resources.share
@@ -109,7 +113,8 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
         if resources.gpus_per_trial == "auto":
             per_trial = processes = min(per_trial, len(ids))
         if len(ids) < per_trial:
-            raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but this machine has "
+            where = "resources.gpus names" if resources.gpus is not None else "this machine has"
+            raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but {where} "
                              f"{plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
         room = len(ids) // per_trial * share
         count = room if wanted == "auto" else min(max(wanted, at_least), room)

@@ -11,10 +11,10 @@ import math
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from hpo.errors import InputError
 from hpo.results import RESERVED_ATTRS, STEP_KEY
@@ -143,10 +143,10 @@ class Search(_Frozen):
     """How trials are proposed and how many the study holds in total."""
 
     method: Literal["monte_carlo", "csv", "grid", "sobol", "lhs", "tpe", "gp", "smac"] = "monte_carlo"
-    trials: int | None = Field(default=None, ge=1)
-    seed: int = Field(default=1, ge=0, le=SEED_MAX)
+    trials: StrictInt | None = Field(default=None, ge=1)
+    seed: StrictInt = Field(default=1, ge=0, le=SEED_MAX)
     csv: Path | None = None
-    retry_failed: int = Field(default=0, ge=0)
+    retry_failed: StrictInt = Field(default=0, ge=0)
     pruner: Literal["none", "median", "successive_halving", "hyperband"] = "none"
 
     @model_validator(mode="after")
@@ -363,10 +363,10 @@ class Resources(_Frozen):
     or ``auto``: as many as its workers take).
     """
 
-    parallel: int | Literal["auto"] = 1
+    parallel: StrictInt | Literal["auto"] = 1
     gpus_per_trial: GpuCount = "auto"
-    processes_per_trial: int | None = Field(default=None, ge=1)
-    gpus: tuple[int, ...] | None = None
+    processes_per_trial: StrictInt | None = Field(default=None, ge=1)
+    gpus: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None
     torchrun: bool | Literal["auto"] = "auto"
     timeout: float | None = Field(default=None, gt=0)
     heartbeat: float = Field(default=10.0, gt=0)
@@ -389,11 +389,18 @@ class Resources(_Frozen):
             raise ValueError("GPU ids must be unique")
         return gpus
 
-    @field_validator("parallel")
+    @field_validator("parallel", mode="before")
     @classmethod
-    def _parallel(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"must be at least 1 or auto, got {value}")
+    def _parallel(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"expected a whole number of trials at once (1 or more) or auto, got {_yaml(value)}")
+        return value
+
+    @field_validator("torchrun", mode="before")
+    @classmethod
+    def _torchrun(cls, value: Any) -> Any:
+        if value != "auto" and not isinstance(value, bool):
+            raise ValueError(f"expected auto, true or false, got {_yaml(value)}")
         return value
 
     @field_validator("gpus_per_trial", mode="before")
@@ -603,7 +610,7 @@ _SCALAR_MEMBERS = ("bool", "int", "float", "str", "list[union[bool,int,float,str
 def _format_error(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     message: str = error["msg"]
-    scalar = bool(loc) and loc[-1] in _SCALAR_MEMBERS  # a choice, constant or condition value
+    scalar = bool(loc) and loc[0] == "parameters" and loc[-1] in _SCALAR_MEMBERS  # a choice, constant or condition
     if scalar:  # name the value, not the union's member types
         loc = tuple(part for part in loc if part not in _SCALAR_MEMBERS)
     if scalar or error["type"] == "finite_number":

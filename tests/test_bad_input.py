@@ -64,7 +64,7 @@ CASES = {
                                    {"objective": {"held_out": ["val_error"]}}),
     "step-wider-than-range": Case(("parameters.x.step", "0.5 is wider than the range [0, 0.3]"),
                                   {"parameters": {"x": {"high": 0.3, "step": 0.5}}}),
-    "parallel-zero": Case(("resources.parallel", "must be at least 1 or auto, got 0"), {"resources": {"parallel": 0}}),
+    "parallel-zero": Case(("resources.parallel", "a whole number of trials at once (1 or more) or auto, got 0"), {"resources": {"parallel": 0}}),
     "gpu-fraction-not-1-over-k": Case(("resources.gpus_per_trial",
                                        "0.3 is neither a whole number of GPUs nor a fraction 1/k"),
                                       {"resources": {"gpus_per_trial": 0.3}}),
@@ -101,7 +101,7 @@ CASES = {
     "cluster-flag-not-an-address": Case(("--cluster", "expected a Dask scheduler address", "'foo'"),
                                         args=("run", "{scenario}", "--cluster", "foo")),
     "grid-on-continuous": Case(("parameters.x", "method grid needs a step"), {"search": {"method": "grid"}}),
-    "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but this machine has 1 GPU"),
+    "too-many-gpus-per-trial": Case(("resources.gpus_per_trial", "2 GPUs per trial, but resources.gpus names 1 GPU"),
                                     {"resources": {"gpus": [0], "gpus_per_trial": 2}}),
     # design CSV
     "csv-missing-file": Case(("search.csv", "design.csv not found"), {"search": CSV_SEARCH}),

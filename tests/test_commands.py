@@ -82,3 +82,11 @@ def test_status_and_export_show_the_constants_a_trial_ran_with(tmp_path: Path,
     rows = list(csv.DictReader(io.StringIO(exported.stdout)))
     assert [row["epochs"] for row in rows] == ["3", "3"]
     assert "epochs=3" in run_hpo("status", scenario).stdout
+
+
+def test_gpus_a_worker_is_given_must_be_on_the_machine(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path)
+    env = {**cli_env(), "HPO_GPUS": "0,1"}
+    worker = subprocess.run([sys.executable, "-m", "hpo", "worker", str(scenario), "--gpus", "1,5"], env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert (worker.returncode, worker.stderr) == (2, "error: --gpus: GPU 5 is not on this machine (it has GPUs 0,1)\n")

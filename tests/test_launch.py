@@ -164,8 +164,10 @@ def test_build_argv_does_not_change_its_input() -> None:
                      [((0,), 1), ((1,), 1), ((2,), 1), ((3,), 1)], id="one-gpu-each"),
         pytest.param({"parallel": 1, "gpus_per_trial": 2}, (0, 1, 2, 3), [((0, 1), 2)], id="fewer-slots"),
         pytest.param({"parallel": 2, "gpus_per_trial": 2}, (4, 5, 6), [((4, 5), 2)], id="odd-gpu-left-idle"),
-        pytest.param({"parallel": 2, "gpus_per_trial": 1, "gpus": (6, 7)}, (0, 1, 2, 3),
-                     [((6,), 1), ((7,), 1)], id="scenario-gpus-win"),
+        pytest.param({"parallel": 2, "gpus_per_trial": 1, "gpus": (6, 7)}, (),
+                     [((6,), 1), ((7,), 1)], id="scenario-gpus-where-none-are-found"),
+        pytest.param({"parallel": 2, "gpus_per_trial": 1, "gpus": (2, 3)}, (0, 1, 2, 3),
+                     [((2,), 1), ((3,), 1)], id="scenario-gpus-a-subset"),
         pytest.param({"parallel": "auto", "gpus_per_trial": 2}, tuple(range(8)),
                      [((0, 1), 2), ((2, 3), 2), ((4, 5), 2), ((6, 7), 2)], id="auto-parallel-fills-gpus"),
         pytest.param({"parallel": "auto", "processes_per_trial": 2}, (0,), [((0,), 1)], id="auto-one-gpu"),
@@ -467,3 +469,10 @@ def test_output_after_the_log_is_closed_is_dropped_quietly(tmp_path: Path, monke
         assert result.exit_code == 0 and not raised
     finally:
         _kill(pid)
+
+
+def test_resources_gpus_must_be_on_this_machine() -> None:
+    with pytest.raises(InputError, match=r"resources.gpus: GPU 5 is not on this machine \(it has GPUs 0,1,2,3;"):
+        plan_slots(Resources(gpus=[5], gpus_per_trial=1), (0, 1, 2, 3))
+    with pytest.raises(InputError, match="2 GPUs per trial, but resources.gpus names 1 GPU"):
+        plan_slots(Resources(gpus=[0], gpus_per_trial=2), (0, 1, 2, 3))
