@@ -45,7 +45,9 @@ def format_metrics(value: float | None, metric: str, held_out: Mapping[str, floa
 class Tally:
     """The study at a glance, from its rows: ``done`` trials used the budget and ended,
     ``reruns`` are reruns (``hpo rerun``) that so ended, and ``past_budget`` of the WAITING
-    trials wait past the budget (``search.trials`` was lowered): they run only if it is raised."""
+    trials wait past the budget (``search.trials`` was lowered): they run only if it is raised.
+    ``counts`` leave out the ``retried`` failures (``search.retry_failed``): their retry stands
+    for their configuration."""
 
     budget: int
     done: int
@@ -56,6 +58,7 @@ class Tally:
     mean_duration_s: float | None
     reruns: int
     past_budget: int
+    retried: int
 
 
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
@@ -63,14 +66,16 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
     failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
     ended = [r for r in standing(rows) if r.outcome.ended]
+    retried = {r.retry_of for r in rows if r.retry_of is not None}
     done = sum(1 for r in ended if r.rerun_of is None)
     in_flight = sum(1 for r in rows if r.outcome is Outcome.RUNNING and r.rerun_of is None)
     waiting = sum(1 for r in rows if r.outcome is Outcome.WAITING and r.rerun_of is None)
-    return Tally(budget=budget, done=done, counts=Counter(r.outcome for r in rows),
+    return Tally(budget=budget, done=done, counts=Counter(r.outcome for r in rows if r.number not in retried),
                  best=best_row(rows, direction), running=tuple(r for r in rows if r.outcome is Outcome.RUNNING),
                  failures=tuple(failed[-FAILURES_SHOWN:]),
                  mean_duration_s=sum(durations) / len(durations) if durations else None,
-                 reruns=len(ended) - done, past_budget=max(0, waiting - max(0, budget - done - in_flight)))
+                 reruns=len(ended) - done, past_budget=max(0, waiting - max(0, budget - done - in_flight)),
+                 retried=len(retried))
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
@@ -93,6 +98,8 @@ def summary_line(t: Tally, metric: str) -> str:
         text += f"; {', '.join(pending)}"
     if again:
         text += f"; also {', '.join(again)} (not their fault: run again)"
+    if t.retried:
+        text += f"; {t.retried} failed {'attempts' if t.retried > 1 else 'attempt'} retried (search.retry_failed)"
     if t.past_budget:
         text += f"; {t.past_budget} waiting past the budget (not run unless search.trials is raised)"
     return text + "." + best_text(t.best, metric)

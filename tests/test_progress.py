@@ -52,3 +52,14 @@ def test_an_interrupted_rerun_is_not_counted_as_a_rerun() -> None:
     rows = [_row(0, 0.3), _interrupted(1, rerun_of=0), _row(2, 0.31, rerun_of=0)]
     line = summary_line(tally(rows, 1, "minimize"), "val_error")
     assert line.startswith("1/1 trials done and 1 rerun: 2 complete; also 1 interrupted")
+
+
+def _failed(number: int, retry_of: int | None = None) -> TrialRow:
+    return TrialRow(number=number, outcome=Outcome.FAIL, params={"x": 0.9}, value=None, held_out={},
+                    duration_s=1.0, folder=f"trial-{number}", reason="exit code 3", retry_of=retry_of)
+
+
+def test_failures_that_were_retried_are_said_apart_from_the_budget() -> None:
+    rows = [_row(0, 0.3), _failed(1), _row(2, 0.2), _failed(3, retry_of=1), _failed(4, retry_of=3)]
+    line = summary_line(tally(rows, 3, "minimize"), "val_error")
+    assert line.startswith("3/3 trials done: 2 complete, 1 failed; 2 failed attempts retried (search.retry_failed).")
