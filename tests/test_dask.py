@@ -446,17 +446,25 @@ def test_a_worker_killed_mid_trial_loses_nothing(own_cluster: LocalDask, write_s
     assert tokens_alive("demo:1:") == []
 
 
-def test_the_scheduler_going_away_stops_the_sweep_and_a_resume_finishes_it(
-        own_cluster: LocalDask, write_scenario: WriteScenario, tmp_path: Path) -> None:
+def held_sweep(tmp_path: Path, write_scenario: WriteScenario, address: str, trials: int,
+               parallel: int) -> tuple[Path, Path, subprocess.Popen[str]]:
+    """``hpo run --cluster address`` started on a study of HELD trials (each waits while the
+    returned ``hold`` file exists); returns the file, the scenario and the running process."""
     hold = tmp_path / "hold"
     hold.touch()
-    path = write_scenario(tmp_path, template_text=HELD, search={"trials": 3, "seed": 3},
+    path = write_scenario(tmp_path, template_text=HELD, search={"trials": trials, "seed": 3},
                           parameters={"x": {"type": "float", "low": 0.0, "high": 1.0},
                                       "hold": {"type": "constant", "value": str(hold)}},
-                          resources={"timeout": 60, "parallel": 2})
+                          resources={"timeout": 60, "parallel": parallel})
     env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s"}
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", own_cluster.address],
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", address],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return hold, path, run
+
+
+def test_the_scheduler_going_away_stops_the_sweep_and_a_resume_finishes_it(
+        own_cluster: LocalDask, write_scenario: WriteScenario, tmp_path: Path) -> None:
+    hold, path, run = held_sweep(tmp_path, write_scenario, own_cluster.address, trials=3, parallel=2)
     try:
         log = path.parent / "runs" / "demo" / "trial-0000" / LOG_FILE
         deadline = time.monotonic() + START_S
@@ -636,16 +644,8 @@ def test_trials_still_queued_in_dask_go_back_to_waiting(own_cluster: LocalDask, 
     ahead), so a trial waits in Dask's queue. When the sweep stops (Ctrl-C) or its scheduler
     is killed, the running trials are INTERRUPTED; the queued one never starts and goes back
     to WAITING, as trials claimed ahead do. The same command finishes the sweep."""
-    hold = tmp_path / "hold"
-    hold.touch()
-    path = write_scenario(tmp_path, template_text=HELD, search={"trials": 6, "seed": 3},
-                          parameters={"x": {"type": "float", "low": 0.0, "high": 1.0},
-                                      "hold": {"type": "constant", "value": str(hold)}},
-                          resources={"timeout": 60, "parallel": 3})
+    hold, path, run = held_sweep(tmp_path, write_scenario, own_cluster.address, trials=6, parallel=3)
     work = path.parent / "runs" / "demo"
-    env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s"}
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", own_cluster.address],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: len(submitted(work)) == 3 and sum(map(started, submitted(work))) == 2,
                  "two trials did not start beside a third in Dask's queue")
