@@ -106,8 +106,7 @@ def _snapshot(ctx: Context) -> list[Any]:
     from hpo.rows import presented
 
     scenario = ctx.scenario
-    objective = scenario.objective
-    raw = rowcache.quiet_rows(ctx.storage, scenario.name, rowcache.objective_of(objective.direction, objective.metric))
+    raw = rowcache.quiet_rows(ctx.storage, scenario.name, rowcache.objective_of(scenario.objective))
     if raw is None:
         return _store(ctx).snapshot()
     return presented(raw, scenario.parameters)
@@ -156,13 +155,10 @@ def _plan(ctx: Context, at_least: int = 1, parallel: int | str | None = None, gp
     updates: dict[str, Any] = {}
     if parallel is not None:
         updates["parallel"] = parallel
-    found = detect_gpus()
     if gpus is not None:
         updates["gpus"] = gpu_ids(gpus, "--gpus")
-        absent = [g for g in updates["gpus"] if g not in found]
-        if found and absent:
-            raise InputError(f"--gpus: GPU {absent[0]} is not on this machine (it has GPUs {','.join(map(str, found))})")
-    return plan_slots(ctx.scenario.resources.model_copy(update=updates), found, at_least=at_least)
+    return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least,
+                      gpus_field="resources.gpus" if gpus is None else "--gpus")
 
 
 def describe_plan(slots: Sequence[Any], executor: Any = None) -> str:

@@ -184,8 +184,7 @@ class Sweep:
         store = self.store
 
         def section() -> None:
-            store.check_space(self.config.allow_space_change)
-            store.describe(scenario_text(self._scenario.path))
+            store.describe(scenario_text(self._scenario.path), self.config.allow_space_change)
             recover_stale(store, self.config.workdir, self.scheduler.worker, ())
 
         store.locked(section)

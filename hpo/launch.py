@@ -93,17 +93,18 @@ def plural(count: int, word: str) -> str:
 
 
 def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None = None,
-               at_least: int = 1) -> tuple[Slot, ...]:
+               at_least: int = 1, gpus_field: str = "resources.gpus") -> tuple[Slot, ...]:
     """The machine's task slots: GPUs (``resources.gpus`` or those detected), processes and
     threads divided among all of them.
 
     ``at_least`` slots are planned even where ``parallel`` asks for fewer (``--workers K``
-    gives each worker a slot); an InputError names the setting that cannot be met.
+    gives each worker a slot); an InputError names the setting that cannot be met
+    (``gpus_field``: where ``resources.gpus`` came from, e.g. ``--gpus``).
     """
     ids = tuple(resources.gpus) if resources.gpus is not None else tuple(gpus)
     absent = [g for g in ids if g not in gpus]
     if gpus and absent:  # none found: nvidia-smi may be missing, and resources.gpus says what there is
-        raise InputError(f"resources.gpus: GPU {absent[0]} is not on this machine (it has GPUs "
+        raise InputError(f"{gpus_field}: GPU {absent[0]} is not on this machine (it has GPUs "
                          f"{','.join(map(str, gpus))}; {GPU_ENV} overrides what nvidia-smi shows)")
     cpus = cpu_count or os.cpu_count() or 1
     wanted = resources.parallel
@@ -113,7 +114,7 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
         if resources.gpus_per_trial == "auto":
             per_trial = processes = min(per_trial, len(ids))
         if len(ids) < per_trial:
-            where = "resources.gpus names" if resources.gpus is not None else "this machine has"
+            where = f"{gpus_field} names" if resources.gpus is not None else "this machine has"
             raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but {where} "
                              f"{plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
         room = len(ids) // per_trial * share
@@ -148,9 +149,7 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
     ``--name=value`` or ``-name value``). A bool is a switch: present when true, absent
     when false. With ``seed_flag`` set, ``seed`` (the trial's seed) is passed under it.
     """
-    style = scenario.flag_style
-    prefix = "-" if style == "-name" else "--"
-    joined = style == "--name=value"
+    joined = scenario.flag_style == "--name=value"
     out: list[str] = []
 
     def add(flag: str, value: Any) -> None:
@@ -160,9 +159,9 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
             out.extend([f"{flag}={value}"] if joined else [flag, str(value)])
 
     for name, value in values.items():
-        param = scenario.parameters.get(name)
-        if param is not None and (scenario.flags or param.flag):
-            add(param.flag or f"{prefix}{name}", value)
+        flag = scenario.flag_of(name)
+        if flag is not None:
+            add(flag, value)
     if scenario.seed_flag and seed is not None:
         add(scenario.seed_flag, seed)
     return out

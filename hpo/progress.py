@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.outcome import Outcome, TrialResult
-from hpo.rows import TrialRow, best_row, standing
+from hpo.rows import TrialRow, best_row, retried, standing
 
 if TYPE_CHECKING:
     from hpo.engine import Observer, TrialEnd, TrialStart
@@ -66,16 +66,16 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
     failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
     ended = [r for r in standing(rows) if r.outcome.ended]
-    retried = {r.retry_of for r in rows if r.retry_of is not None}
+    again = retried(rows)
     done = sum(1 for r in ended if r.rerun_of is None)
     in_flight = sum(1 for r in rows if r.outcome is Outcome.RUNNING and r.rerun_of is None)
     waiting = sum(1 for r in rows if r.outcome is Outcome.WAITING and r.rerun_of is None)
-    return Tally(budget=budget, done=done, counts=Counter(r.outcome for r in rows if r.number not in retried),
+    return Tally(budget=budget, done=done, counts=Counter(r.outcome for r in rows if r.number not in again),
                  best=best_row(rows, direction), running=tuple(r for r in rows if r.outcome is Outcome.RUNNING),
                  failures=tuple(failed[-FAILURES_SHOWN:]),
                  mean_duration_s=sum(durations) / len(durations) if durations else None,
                  reruns=len(ended) - done, past_budget=max(0, waiting - max(0, budget - done - in_flight)),
-                 retried=len(retried))
+                 retried=len(again))
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}

@@ -2,8 +2,9 @@
 
 A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is rendered and
 written without that suffix; any other file is copied as it is. A folder brings its files,
-rendered or copied the same way, under its own name (``models/``, ``models/net.py``). The syntax is Jinja2 with
-StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``. Templates
+rendered or copied the same way, under its own name (``models/``, ``models/net.py``). The
+syntax is Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's
+``${lr}``. Templates
 see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
 ``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
 ``data_dir``.

@@ -22,10 +22,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpo.rows import FIELDS, TrialRow, row_from_list, row_to_list
 from hpo.storage import local_path, sqlite_path
+
+if TYPE_CHECKING:
+    from hpo.scenario import Objective
 
 VERSION = 3
 QUIET_S = 1.0
@@ -45,10 +48,10 @@ class Cached:
     unfinished: tuple[TrialRow, ...] = ()
 
 
-def objective_of(direction: str, metric: str) -> str:
+def objective_of(objective: Objective) -> str:
     """What cached rows were judged by: ``minimize val_error``. Rows cached under another
     objective are not a study's rows as the scenario reads them."""
-    return f"{direction} {metric}"
+    return f"{objective.direction} {objective.metric}"
 
 
 def cache_path(url: str, study: str) -> Path:

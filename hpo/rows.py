@@ -85,8 +85,13 @@ def best_row(rows: list[TrialRow], direction: str) -> TrialRow | None:
 def standing(rows: list[TrialRow]) -> list[TrialRow]:
     """The rows that stand for their configuration: they ended on their own merits, run or
     wait, and are not failures that were retried (``search.retry_failed``: the copy stands)."""
-    retried = {r.retry_of for r in rows if r.retry_of is not None}
-    return [r for r in rows if r.number not in retried and (r.outcome.own or not r.outcome.ended)]
+    gone = retried(rows)
+    return [r for r in rows if r.number not in gone and (r.outcome.own or not r.outcome.ended)]
+
+
+def retried(rows: list[TrialRow]) -> set[int]:
+    """The numbers of the failed trials that ``search.retry_failed`` ran again."""
+    return {r.retry_of for r in rows if r.retry_of is not None}
 
 
 def budget_used(rows: list[TrialRow], queued: Container[int] = ()) -> int:

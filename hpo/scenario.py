@@ -515,6 +515,14 @@ class Scenario(_Frozen):
         """The folder of the scenario file; relative paths in it are resolved against it."""
         return self.path.parent
 
+    def flag_of(self, name: str) -> str | None:
+        """The flag that passes parameter ``name`` to the command: its own ``flag``, else, with
+        ``flags: true``, its name in ``flag_style``; None if it is not passed as a flag."""
+        param = self.parameters.get(name)
+        if param is None or not (self.flags or param.flag):
+            return None
+        return param.flag or f"{'-' if self.flag_style == '-name' else '--'}{name}"
+
     def default_workdir(self) -> Path:
         """Where trial folders and the default store go: ``workdir`` or ``runs/<name>``."""
         return self.workdir or self.folder / "runs" / self.name
@@ -528,11 +536,10 @@ SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus cho
 def _check_flags(scenario: Scenario) -> None:
     """Raise ValueError where two parameters, or a parameter and ``seed_flag``, would pass the
     same flag to one trial (parameters whose conditions exclude each other may share one)."""
-    prefix = "-" if scenario.flag_style == "-name" else "--"
     owners: dict[str, list[str]] = {}
     for name, param in scenario.parameters.items():
-        if scenario.flags or param.flag:
-            flag = param.flag or f"{prefix}{name}"
+        flag = scenario.flag_of(name)
+        if flag is not None:
             for other in owners.get(flag, []):
                 if not _exclusive(param, scenario.parameters[other]):
                     raise ValueError(f"parameters.{name}: its flag {flag} is also the flag of {other}; "

@@ -277,10 +277,10 @@ class StudyStore:
                              "which an Optuna study cannot change; use another name for a new study "
                              "(--allow-space-change cannot override this)")
 
-    def describe(self, scenario_text: str) -> None:
-        """Record the metric name, held-out metrics, parameters and scenario on the study;
-        a space the study cannot store is refused first, writing nothing (:meth:`check_space`)."""
-        self._check_stored()
+    def describe(self, scenario_text: str, allow_space_change: bool = False) -> None:
+        """Record the metric name, held-out metrics, parameters and scenario on the study,
+        after :meth:`check_space` (which refuses a space, writing nothing)."""
+        self.check_space(allow_space_change)
         if self.call(lambda: self.study.metric_names) != [self.scenario.objective.metric]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -318,9 +318,8 @@ class StudyStore:
         if not isinstance(self._storage, optuna.storages.RDBStorage):
             return self.rows()
         storage, sid = self._storage, self._study_id
-        objective = self.scenario.objective
         path, key, judged = rowcache.cache_path(self.url, self.scenario.name), self._cache_key(), \
-            rowcache.objective_of(objective.direction, objective.metric)
+            rowcache.objective_of(self.scenario.objective)
         cache = rowcache.load(path)
         cached = {row.number: row for row in cache.finished} if cache is not None and cache.key == key else {}
         rows = {t.number: read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False,

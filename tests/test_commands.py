@@ -89,4 +89,5 @@ def test_gpus_a_worker_is_given_must_be_on_the_machine(tmp_path: Path, write_sce
     env = {**cli_env(), "HPO_GPUS": "0,1"}
     worker = subprocess.run([sys.executable, "-m", "hpo", "worker", str(scenario), "--gpus", "1,5"], env=env,
                             capture_output=True, text=True, timeout=60, check=False)
-    assert (worker.returncode, worker.stderr) == (2, "error: --gpus: GPU 5 is not on this machine (it has GPUs 0,1)\n")
+    assert (worker.returncode, worker.stderr) == (
+        2, "error: --gpus: GPU 5 is not on this machine (it has GPUs 0,1; HPO_GPUS overrides what nvidia-smi shows)\n")

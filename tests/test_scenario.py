@@ -173,8 +173,8 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"search": {"seed": 2**32}}, "search.seed: Input should be less than or equal to 2147483647"),
         ({"env": {"A=B": "x"}}, "env: 'A=B' is not an environment variable name"),
         ({"env": {"": "x"}}, "env: '' is not an environment variable name"),
-        ({"resources": {"parallel": True}}, "resources.parallel: expected a whole number of trials at once (1 or "
-                                            "more) or auto, got true"),
+        ({"resources": {"parallel": True}}, ("resources.parallel: expected a whole number of trials at once (1 or "
+                                             "more) or auto, got true")),
         ({"resources": {"torchrun": "maybe"}}, "resources.torchrun: expected auto, true or false, got maybe"),
         ({"search": {"retry_failed": True}}, "search.retry_failed: Input should be a valid integer"),
         ({"resources": {"gpus": [-1]}}, "resources.gpus.0: Input should be greater than or equal to 0"),

@@ -98,36 +98,26 @@ def test_removing_a_choice_no_longer_says_adding_one_is_allowed() -> None:
     assert found == "parameters.optimizer: choice 'sgd' was removed"
 
 
-RESUMED = """\
-name: demo
-template: train.py.j2
-command: python train.py
-parameters:
-  x: {{type: float, low: 0.0, high: 1.0}}
-  opt: {{type: categorical, choices: {choices}}}
-search: {{method: {method}, trials: {trials}, seed: 1}}
-objective: {{metric: val_error, held_out: [test_error]}}
-resources: {{parallel: 1, timeout: 60}}
-"""
-
-
 @pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
 def test_a_changed_choice_is_refused_before_the_study_is_touched(
         tmp_path: Path, write_scenario: Callable[..., Path], run_cli: Callable[..., Any], method: str) -> None:
     """Adding a choice crashed inside Optuna after the new space was recorded, which wedged
     the study and left a WAITING trial per attempt; the flag cannot make Optuna store it."""
-    old = write_scenario(tmp_path, raw=RESUMED.format(choices="[sgd, adam]", method=method, trials=2))
+    def write(choices: list[str], trials: int) -> Path:
+        return write_scenario(tmp_path, parameters={"opt": {"choices": choices}},
+                              search={"method": method, "trials": trials})
+
+    old = write(["a", "b"], 2)
     assert run_cli("run", old).returncode == 0
-    added = tmp_path / "added.yaml"
-    added.write_text(RESUMED.format(choices="[sgd, adam, rms]", method=method, trials=3))
-    expected = ("error: parameters.opt: choices changed from ['sgd', 'adam'] to ['sgd', 'adam', 'rms']: the study "
+    added = write(["a", "b", "c"], 3)
+    expected = ("error: parameters.opt: choices changed from ['a', 'b'] to ['a', 'b', 'c']: the study "
                 "demo stored its trials with the old distribution, which an Optuna study cannot change; use another "
                 "name for a new study (--allow-space-change cannot override this)")
     for flags in ((), ("--allow-space-change",)):
         refused = run_cli("run", added, *flags)
         assert (refused.returncode, refused.stderr.strip()) == (2, expected)
-    old.write_text(RESUMED.format(choices="[sgd, adam]", method=method, trials=3))
+    old = write(["a", "b"], 3)
     resumed = run_cli("run", old)
     assert resumed.returncode == 0, resumed.stderr
     rows = list(csv.DictReader(io.StringIO(run_cli("export", old).stdout)))
-    assert [row["state"] for row in rows] == ["COMPLETE"] * 3 and all(row["opt"] in ("sgd", "adam") for row in rows)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3 and all(row["opt"] in ("a", "b") for row in rows)
