@@ -4,7 +4,13 @@ Each task slot is a thread that loops claim → build → run → settle, so a s
 up takes the next trial at once (no batch barrier). The :class:`~hpo.scheduler.Scheduler`
 claims (budget, design queue, re-runs), an :class:`~hpo.executor.Executor` runs the trial
 (on this machine, or as a Dask task) and the :class:`~hpo.watchdog.Watchdog` beats
-heartbeats, passes on stop requests and re-runs the trials of workers that are gone.
+heartbeats, passes on stop requests and re-runs the trials of workers that are gone; the
+observer hears of each trial of another worker that this one found gone.
+
+A claim is checked before it runs and a result before it is announced: a trial that
+another worker took over while this one could not beat (paused, e.g. by SIGSTOP) is not
+run, and one it judged lost is announced as recorded, this worker's own result noted
+(it stays in the trial's folder), never as if it had counted.
 
 :meth:`Sweep.stop` (SIGINT, SIGTERM) ends the sweep gracefully: running trials are ended
 and recorded INTERRUPTED (their configuration queued again), trials claimed ahead go
@@ -32,7 +38,7 @@ from hpo.executor import Executor, LocalExecutor, TrialSpec, save_result
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
-from hpo.recovery import recover_stale
+from hpo.recovery import Recovered, queued_again, recover_stale
 from hpo.render import LOG_FILE, PARAMS_FILE, Renderer, trial_folder, trial_seed
 from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
@@ -54,23 +60,35 @@ CLAIM_POLL_S = 1.0
 
 @dataclass(frozen=True)
 class TrialStart:
-    """A trial that a slot just launched: on which slot, and where in words
-    (e.g. ``1 process on 1/4 of GPU 0``)."""
+    """A trial that a slot just launched: on which slot, where in words (e.g. ``1 process
+    on 1/4 of GPU 0``), and the trial whose configuration it runs again, if any."""
 
     number: int
     params: Mapping[str, Any]
     slot: int
     where: str
     folder: Path
+    repeat_of: int | None = None
 
 
 @dataclass(frozen=True)
 class TrialEnd:
-    """A trial that just ended, and how."""
+    """A trial that just ended, and ``result``: how the study records it.
+
+    The other fields are set only when another worker had a hand in it: ``worker`` ran it and
+    this worker found it gone (``why``, in words); ``unrecorded`` is this worker's own result
+    of a trial that another worker had judged lost first (it stays in ``folder``);
+    ``again_as`` is the trial queued to run its configuration again.
+    """
 
     number: int
     params: Mapping[str, Any]
     result: TrialResult
+    worker: str = ""
+    why: str = ""
+    unrecorded: TrialResult | None = None
+    folder: str = ""
+    again_as: int | None = None
 
 
 class Observer(Protocol):
@@ -122,6 +140,7 @@ class _Running:
         self.claim = claim
         self.started = False
         self.end_request: str | None = None
+        self.ended_elsewhere = False
 
 
 class Sweep:
@@ -145,7 +164,9 @@ class Sweep:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
-        self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial)
+        self._gone: list[Recovered] = []  # found before the observer came
+        self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial,
+                                 self._found_gone)
 
     @property
     def uses_forest(self) -> bool:
@@ -177,17 +198,29 @@ class Sweep:
             if running is not None and running.end_request is None:
                 running.end_request = "stopped"
 
+    def _found_gone(self, gone: list[Recovered]) -> None:
+        """Tell the observer how the trials of gone workers were recorded (:meth:`run` tells
+        it of those found before it came)."""
+        observer = self._observer
+        if observer is None:
+            self._gone += gone
+            return
+        for trial in gone:
+            if trial.result is not None:
+                observer.finished(TrialEnd(trial.number, trial.params, trial.result, trial.worker, trial.why,
+                                           again_as=trial.again_as))
+
     def prepare(self) -> None:
         """Pre-flight the templates, check the space of a resumed study, record the
         scenario on the study, and deal with the trials of workers that are gone."""
         preflight(self._renderer, self.config.workdir, self._design)
         store = self.store
 
-        def section() -> None:
+        def section() -> list[Recovered]:
             store.describe(scenario_text(self._scenario.path), self.config.allow_space_change)
-            recover_stale(store, self.config.workdir, self.scheduler.worker, ())
+            return recover_stale(store, self.config.workdir, self.scheduler.worker, ())
 
-        store.locked(section)
+        self._found_gone(store.locked(section))
 
     def stop(self) -> None:
         """End running trials (they run again on resume) and claim no more."""
@@ -205,6 +238,8 @@ class Sweep:
         down past ``resources.store_retry`` (the slots were stopped first).
         """
         self._observer = observer
+        gone, self._gone = self._gone, []
+        self._found_gone(gone)
         self.watchdog.start(self._on_fatal)
         slots = [threading.Thread(target=self._slot_loop, args=(slot,), name=f"hpo-slot-{slot.index}")
                  for slot in self.config.slots]
@@ -255,6 +290,8 @@ class Sweep:
                     continue
                 settled = books.submit(self._settle, claimed, result)
                 following = ahead.result()
+                if isinstance(following, Claim) and not self._still_held(following):
+                    following = None
                 if not isinstance(following, Claim) or self._stopping.is_set():
                     settled.result()
                     if isinstance(following, Claim):
@@ -368,20 +405,55 @@ class Sweep:
             running = self._running.get(claim.number)
         return result.outcome is Outcome.INTERRUPTED and running is not None and not running.started
 
+    def _still_held(self, claim: Claim) -> bool:
+        """Whether ``claim``, made while the slot's last trial ran, is still this worker's; if
+        another worker found this one gone meanwhile and took it back, it is dropped."""
+        if self.scheduler.holds(claim):
+            return True
+        with self._lock:
+            self._running.pop(claim.number, None)
+        self._say(f"trial {claim.number} was taken back by another worker before it started here "
+                  "(this worker had not beaten its heartbeat in time): not run here")
+        return False
+
     def _announce(self, claim: Claim, result: TrialResult) -> None:
-        """Tell the observer how ``claim`` ended (its record follows: :meth:`_settle`)."""
-        if self._observer and not self._never_started(claim, result):
-            self._observer.finished(TrialEnd(claim.number, claim.params, result))
+        """Tell the observer how ``claim`` ended (its record follows: :meth:`_settle`), or how
+        the study records it if another worker judged it lost first."""
+        if self._never_started(claim, result):
+            return
+        end = self._ended_elsewhere(claim, result) or TrialEnd(claim.number, claim.params, result)
+        if self._observer:
+            self._observer.finished(end)
+
+    def _ended_elsewhere(self, claim: Claim, result: TrialResult) -> TrialEnd | None:
+        """How the study records ``claim`` if another worker ended it otherwise than ``result``
+        (judged it lost while this worker could not beat), marking it so: None while it runs,
+        or when that worker recorded ``result`` itself from the trial's folder."""
+        store = self.store
+        row = store.rows([store.trial(claim.number)])[0]
+        if not row.outcome.ended or (row.outcome, row.reason) == (result.outcome, result.reason):
+            return None
+        with self._lock:
+            running = self._running.get(claim.number)
+            if running is not None:
+                running.ended_elsewhere = True
+        recorded = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)
+        return TrialEnd(claim.number, claim.params, recorded, unrecorded=result, folder=str(claim.folder),
+                        again_as=queued_again(store.rows()).get(claim.number))
 
     def _settle(self, claim: Claim, result: TrialResult) -> None:
-        """Record how ``claim`` ended (back to WAITING if it never started)."""
+        """Record how ``claim`` ended (back to WAITING if it never started; nothing if another
+        worker ended it first: :meth:`_ended_elsewhere`)."""
         if self._never_started(claim, result):
             self._release(claim)
             return
+        with self._lock:
+            running = self._running.get(claim.number)
         try:
-            if not self.scheduler.settle(claim, result):
-                self._say(f"trial {claim.number} had been judged lost by another worker; its result stays in "
-                          f"{claim.folder}")
+            if (running is None or not running.ended_elsewhere) and not self.scheduler.settle(claim, result):
+                self._say(f"trial {claim.number} was judged lost by another worker just before its "
+                          f"{result.outcome} could be recorded: the study keeps that worker's record; this "
+                          f"result stays in {claim.folder}")
         finally:
             with self._lock:
                 self._running.pop(claim.number, None)
@@ -414,7 +486,7 @@ class _Control:
             running.started = True
         if self._sweep._observer:
             self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot.index,
-                                                    self._slot.describe(), claim.folder))
+                                                    self._slot.describe(), claim.folder, claim.repeat_of))
         fault_point("started", claim.number)
 
     def intermediate(self, step: int, value: float) -> bool:

@@ -12,6 +12,11 @@ slot, ``OMP_NUM_THREADS``, the trial's token), streams its output to ``trial.log
 metric parser, runs ``objective.post_process`` if set (in what is left of the trial's
 timeout), judges the outcome and writes it to ``result.json`` in the folder: the backup of
 record when the store cannot be reached.
+
+A trial's ``duration_s`` is how long its processes are known to have run. When the worker
+was paused (SIGSTOP, a stalled machine) and its trial's process ended meanwhile, the end is
+not known: the duration runs to the moment the process was last seen running, and
+``result.json`` notes ``paused_s``, the span it ended in.
 """
 from __future__ import annotations
 
@@ -20,18 +25,20 @@ import json
 import math
 import re
 import signal
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpo.launch import Slot, run_process, this_python, trial_env
+from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
 from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, last_error_line, out_of_gpu_memory
 from hpo.scenario import Objective
 
 TAIL_LINES = 200
+PAUSE_NOTED_S = 1.0  # a process found ended this long after it was last seen running: the worker was paused
 _TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 
 
@@ -120,17 +127,45 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
 
     env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
     control.started(spec.slot.gpus)
-    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_line, should_end)
-    exit_code, ended_by, duration = process.exit_code, process.ended_by, process.duration_s
+    watch = _Watch()
+    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_line, watch(should_end))
+    exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
+        watch = _Watch(watch.paused_s)
         post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
-                           on_line, control.end_request)
-        exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + post.duration_s
+                           on_line, watch(control.end_request))
+        exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
         if exit_code != 0 and ended_by is None:
             ended_by = _with_line(f"post_process exit code {exit_code}", tail)
     result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout)
-    return save_result(folder, spec.number, result)
+    return save_result(folder, spec.number, result, watch.paused_s)
+
+
+class _Watch:
+    """When a process run by :func:`run_process` was last seen running: its ``should_end``
+    polls, wrapped by calling this, are those moments."""
+
+    def __init__(self, paused_s: float = 0.0) -> None:
+        self.paused_s = paused_s
+        self._began = self._seen = time.monotonic()
+
+    def __call__(self, should_end: Callable[[], str | None]) -> Callable[[], str | None]:
+        def watched() -> str | None:
+            self._seen = time.monotonic()
+            return should_end()
+
+        return watched
+
+    def known(self, process: ProcessResult) -> float:
+        """How long ``process`` is known to have run: its duration, unless it ended by itself
+        long after it was last seen running (the worker was paused: :attr:`paused_s` adds
+        that span), then until that moment."""
+        seen = self._seen - self._began
+        if process.ended_by is not None or process.duration_s - seen < PAUSE_NOTED_S:
+            return process.duration_s
+        self.paused_s += process.duration_s - seen
+        return seen
 
 
 def _with_line(cause: str, tail: Sequence[str]) -> str:
@@ -194,9 +229,12 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     return ended(Outcome.COMPLETE, "", value)
 
 
-def save_result(folder: Path, number: int, result: TrialResult) -> TrialResult:
-    """Write ``result`` to the folder's ``result.json`` (atomically) and return it."""
+def save_result(folder: Path, number: int, result: TrialResult, paused_s: float = 0.0) -> TrialResult:
+    """Write ``result`` to the folder's ``result.json`` (atomically) and return it; a
+    ``paused_s`` is noted (see the module docstring)."""
     record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
+    if paused_s:
+        record["paused_s"] = round(paused_s, 3)
     temporary = folder / f".{RESULT_FILE}.tmp"
     temporary.write_text(json.dumps(record, indent=2) + "\n")
     temporary.replace(folder / RESULT_FILE)
@@ -209,6 +247,7 @@ def saved_result(folder: Path, number: int) -> TrialResult | None:
         record = json.loads((folder / RESULT_FILE).read_text())
         if record.pop("trial") != number:
             return None
+        record.pop("paused_s", None)
         record["outcome"] = Outcome(record["outcome"])
         return TrialResult(**record)
     except (OSError, ValueError, KeyError, TypeError):

@@ -2,8 +2,9 @@
 
 Counters are the store's truth: :func:`tally` counts the study's rows by outcome, whoever
 ran them, so the head line and the closing summary add up with several workers on one
-study. Trial events (started, ended) come from this worker's slots, or, when watching
-workers in other processes, from :func:`follow_store`.
+study. Trial events (started, ended) come from this worker's slots and its watchdog (the
+trials of gone workers it judged lost), or, when watching workers in other processes, from
+:func:`follow_store`; :func:`end_line` says each end in one line.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.outcome import Outcome, TrialResult
-from hpo.rows import TrialRow, best_row, retried, standing
+from hpo.rows import TrialRow, best_row, repeat_of, retried, standing
 
 if TYPE_CHECKING:
     from hpo.engine import Observer, TrialEnd, TrialStart
@@ -79,6 +80,38 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
+
+
+def _ended(result: TrialResult, metric: str) -> str:
+    """``COMPLETE in 3.1 s: val_error=0.05``, or the reason of a trial that did not complete."""
+    detail = format_metrics(result.value, metric, result.held_out) if result.outcome is Outcome.COMPLETE \
+        else result.reason
+    return f"{result.outcome} in {result.duration_s:.1f} s: {detail}"
+
+
+def end_line(end: TrialEnd, metric: str) -> str:
+    """One line for a trial's end: ``trial 3 COMPLETE in 3.1 s: val_error=0.05``.
+
+    A trial of another worker found gone says so (``trial 1 (worker h:12) judged lost: no
+    heartbeat for 4.1 s; recorded LOST after 0.0 s; queued again as trial 4``), and so does a
+    trial of this worker that another judged lost first, with the result it reached here,
+    which the study does not record.
+    """
+    result = end.result
+    again = f"; queued again as trial {end.again_as}" if end.again_as is not None else ""
+    if end.unrecorded is not None:
+        return (f"trial {end.number} judged lost by another worker (this one could not beat its heartbeat "
+                f"in time): recorded {result.outcome} after {result.duration_s:.1f} s{again}; its end here "
+                f"({_ended(end.unrecorded, metric)}) is not recorded: it stays in {end.folder}")
+    if not end.worker:
+        return f"trial {end.number} {_ended(result, metric)}"
+    why = f": {end.why}" if end.why else ""
+    if result.outcome is Outcome.LOST or result.reason.startswith("lost "):
+        reason = "" if result.outcome is Outcome.LOST else f": {result.reason}"
+        return (f"trial {end.number} (worker {end.worker}) judged lost{why}; recorded {result.outcome} "
+                f"after {result.duration_s:.1f} s{reason}{again}")
+    return f"trial {end.number} (worker {end.worker}) found gone{why}; recorded from its folder: " \
+           f"{_ended(result, metric)}{again}"
 
 
 def summary_line(t: Tally, metric: str) -> str:
@@ -179,19 +212,15 @@ class ProgressView:
         if self._live is None:
             where = f" on slot {start.slot}" if start.slot >= 0 else ""
             where += f" ({start.where})" if start.where else ""
-            self._print(f"trial {start.number} started{where}: {format_params(start.params)}")
+            again = "" if start.repeat_of is None else f"; runs trial {start.repeat_of}'s configuration again"
+            self._print(f"trial {start.number} started{where}: {format_params(start.params)}{again}")
 
     def finished(self, end: TrialEnd) -> None:
         """See :class:`hpo.engine.Observer`."""
         with self._lock:
             self._started.pop(end.number, None)
         if self._live is None:
-            result = end.result
-            if result.outcome is Outcome.COMPLETE:
-                detail = format_metrics(result.value, self._objective.metric, result.held_out)
-            else:
-                detail = result.reason
-            self._print(f"trial {end.number} {result.outcome.value} in {result.duration_s:.1f} s: {detail}")
+            self._print(end_line(end, self._objective.metric))
 
     def _eta(self, t: Tally) -> str:
         left = t.budget - t.done
@@ -233,22 +262,27 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
     """Turn what the store shows into observer events until ``finished()`` (then once more).
 
     For watching workers in other processes: a trial seen RUNNING is ``started``, a trial
-    seen ended is ``finished``; each event is sent once.
+    seen ended is ``finished`` (a LOST one with its worker and the trial queued to run it
+    again); each event is sent once.
     """
     from hpo.engine import TrialEnd, TrialStart
+    from hpo.recovery import queued_again, run_info
     started: set[int] = set()
     ended: set[int] = {row.number for row in store.rows() if row.outcome.ended}
     while True:
         done = finished()
-        for row in store.rows():
+        rows = store.rows()
+        again = queued_again(rows)
+        for row in rows:
             if row.outcome is Outcome.RUNNING and row.number not in started:
                 started.add(row.number)
                 observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot,
-                                            f"GPUs {row.gpus}" if row.gpus else "", Path(row.folder)))
+                                            f"GPUs {row.gpus}" if row.gpus else "", Path(row.folder), repeat_of(row)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
                 result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)
-                observer.finished(TrialEnd(row.number, row.params, result))
+                worker = str(run_info(store.trial(row.number)).get("worker", "")) if row.outcome is Outcome.LOST else ""
+                observer.finished(TrialEnd(row.number, row.params, result, worker, again_as=again.get(row.number)))
         if done:
             return
         time.sleep(every_s)

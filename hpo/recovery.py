@@ -11,12 +11,16 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 * otherwise it is recorded LOST and its configuration queued again, unless it was lost
   ``LOST_LIMIT`` times in a row: then it is FAIL with reason ``lost 3 times``. Either way its
   duration is what is known of its run (:func:`ran_s`).
+
+:func:`recover_stale` returns a :class:`Recovered` for each, so the worker can say so.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 from optuna.trial import FrozenTrial, TrialState
@@ -32,6 +36,28 @@ from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
 STALE_AFTER_BEATS = 3
 LOST_LIMIT = 3
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A stale trial and what became of it.
+
+    Args:
+        number: the trial.
+        params: its parameter values.
+        worker: the worker that had claimed it (``host:pid``).
+        why: how its worker was found gone (``no heartbeat for 4.2 s``).
+        result: how it was recorded (LOST, FAIL ``lost 3 times``, or its folder's result);
+            None when it never started and went back to the queue.
+        again_as: the trial queued to run its configuration again, if one was.
+    """
+
+    number: int
+    params: Mapping[str, Any]
+    worker: str
+    why: str
+    result: TrialResult | None
+    again_as: int | None
 
 
 def run_info(trial: FrozenTrial) -> dict[str, object]:
@@ -59,18 +85,28 @@ def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: 
     are only judged when ``judge_beats`` (not right after a store outage, when nobody could
     beat).
     """
+    return gone_why(trial, now, heartbeat_s, me, mine, judge_beats) is not None
+
+
+def gone_why(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: Container[int],
+             judge_beats: bool = True) -> str | None:
+    """How running ``trial``'s worker was found gone, in words; None while it is not
+    (:func:`is_stale` with the same arguments)."""
     worker = str(run_info(trial).get("worker", ""))
     if worker == me:
-        return trial.number not in mine
+        return None if trial.number in mine else "no slot of this worker runs it"
     host, _, pid = worker.rpartition(":")
     if host == HOST and pid.isdigit() and not psutil.pid_exists(int(pid)):
-        return True
+        return "its process is gone"
     if not judge_beats:
-        return False
+        return None
     beat = trial.system_attrs.get(SYS_HEARTBEAT)
     if beat is None and trial.datetime_start is not None:
         beat = trial.datetime_start.timestamp()
-    return beat is None or now - float(beat) > STALE_AFTER_BEATS * heartbeat_s
+    if beat is None:
+        return "it never beat"
+    silent = now - float(beat)
+    return f"no heartbeat for {silent:.1f} s" if silent > STALE_AFTER_BEATS * heartbeat_s else None
 
 
 def judges_beats(healthy_since: float | None, now: float, heartbeat_s: float) -> bool:
@@ -84,8 +120,9 @@ def judges_beats(healthy_since: float | None, now: float, heartbeat_s: float) ->
     return healthy_since is not None and now - healthy_since > MAX_PAUSE_S + STALE_AFTER_BEATS * heartbeat_s
 
 
-def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int]) -> list[int]:
-    """Deal with every stale running trial (see the module docstring); return their numbers.
+def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int]) -> list[Recovered]:
+    """Deal with every stale running trial (see the module docstring); say what became of
+    each that this call ended (not one that its own worker ended meanwhile).
 
     Call under the store's ask lock, so that two workers do not both re-run one trial.
     Heartbeats are judged by :func:`judges_beats` once the running trials have been read, so
@@ -95,33 +132,46 @@ def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int
     running = store.trials(states=(TrialState.RUNNING,))
     judge = judges_beats(store.call.healthy_since, time.monotonic(), heartbeat_s)
     now = time.time()
-    stale = [t for t in running if is_stale(t, now, heartbeat_s, me, mine, judge)]
+    whys = {t.number: gone_why(t, now, heartbeat_s, me, mine, judge) for t in running}
+    stale = [t for t in running if whys[t.number] is not None]
     if not stale:
         return []
     rows = store.rows()
     by_number = {r.number: r for r in rows}
+    ended: dict[int, TrialResult | None] = {}
     for trial in stale:
         run = run_info(trial)
         if run.get("token") and run.get("host") == HOST:
             kill_by_token(str(run["token"]))
-        _settle_stale(store, trial, by_number[trial.number], rows,
-                      Path(by_number[trial.number].folder or trial_folder(workdir, trial.number)))
-    return [t.number for t in stale]
+        done, result = _settle_stale(store, trial, by_number[trial.number], rows,
+                                     Path(by_number[trial.number].folder or trial_folder(workdir, trial.number)))
+        if done:
+            ended[trial.number] = result
+    again = queued_again(store.rows()) if ended else {}
+    return [Recovered(t.number, by_number[t.number].params, str(run_info(t).get("worker", "")),
+                      str(whys[t.number]), ended[t.number], again.get(t.number)) for t in stale if t.number in ended]
 
 
-def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: list[TrialRow], folder: Path) -> None:
+def queued_again(rows: list[TrialRow]) -> dict[int, int]:
+    """For each trial whose configuration was queued again (lost or interrupted), the copy's number."""
+    return {r.requeue_of: r.number for r in rows if r.requeue_of is not None}
+
+
+def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: list[TrialRow],
+                  folder: Path) -> tuple[bool, TrialResult | None]:
+    """End stale ``trial``: whether this call ended it (not its own worker first), and the
+    result it recorded (None: back to the queue)."""
     saved = saved_result(folder, row.number)
     if saved is not None:
         if saved.outcome.run_again:
             requeue(store, row, rows)
-        store.end_other(row.number, saved, folder)
-    elif SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
-        store.back_to_waiting(row.number)
-    elif row.lost_count + 1 >= LOST_LIMIT:
-        store.end_other(row.number, TrialResult(
-            Outcome.FAIL, duration_s=ran_s(trial),
-            reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"), folder)
+        return store.end_other(row.number, saved, folder), saved
+    if SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
+        return store.back_to_waiting(row.number), None
+    if row.lost_count + 1 >= LOST_LIMIT:
+        result = TrialResult(Outcome.FAIL, duration_s=ran_s(trial),
+                             reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)")
     else:
         requeue(store, row, rows, lost_count=row.lost_count + 1)
-        store.end_other(row.number, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
-                                                reason="lost: its worker stopped"), folder)
+        result = TrialResult(Outcome.LOST, duration_s=ran_s(trial), reason="lost: its worker stopped")
+    return store.end_other(row.number, result, folder), result

@@ -33,7 +33,7 @@ from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
-from hpo.rows import TrialRow, budget_used, standing
+from hpo.rows import TrialRow, budget_used, repeat_of, standing
 from hpo.store import (
     ATTR_DESIGN_INDEX,
     ATTR_LOST_COUNT,
@@ -58,7 +58,8 @@ def worker_id() -> str:
 class Claim:
     """A trial a slot has claimed: its number, parameter values (constants included), the
     Optuna trial (for intermediate values), its folder, its process token, its
-    ``trial_seed``, and whether a pruner may end it (a rerun runs to its end)."""
+    ``trial_seed``, whether a pruner may end it (a rerun runs to its end), and the trial whose
+    configuration it runs again (:func:`hpo.rows.repeat_of`), if any."""
 
     number: int
     params: dict[str, Any]
@@ -67,6 +68,7 @@ class Claim:
     token: str
     seed: int
     prunable: bool = True
+    repeat_of: int | None = None
 
 
 def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any) -> bool:
@@ -142,11 +144,13 @@ class Scheduler:
             return self.claim(mine)
         row = by_number.get(trial.number)
         if row is None or row.rerun_of is None:
-            return self._claimed(trial, None)
+            return self._claimed(trial, None, repeats=None if row is None else repeat_of(row))
         source = row.number if row.requeue_of is None else row.requeue_of
-        return self._claimed(trial, self._rerun_seed(trials, source, row.rerun_of), prunable=False)
+        return self._claimed(trial, self._rerun_seed(trials, source, row.rerun_of), prunable=False,
+                             repeats=repeat_of(row))
 
-    def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True) -> Claim:
+    def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True,
+                 repeats: int | None = None) -> Claim:
         store = self.store
         params = store.call(space.suggest, trial, store.scenario.parameters)
         token = f"{store.scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
@@ -155,7 +159,8 @@ class Scheduler:
         store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
                                                  "seed": self._seed, "trial_seed": seed})
         fault_point("claim", trial.number)
-        return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable)
+        return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable,
+                     repeats)
 
     def _rerun_seed(self, trials: list[FrozenTrial], source: int, original: int) -> int:
         """The ``trial_seed`` that the rerun ``source`` of trial ``original`` was claimed
@@ -176,7 +181,7 @@ class Scheduler:
 
         if not queued():
             store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
-        return self._claimed(store.claim_waiting(queued()[0]), seed, prunable=False)
+        return self._claimed(store.claim_waiting(queued()[0]), seed, prunable=False, repeats=original.number)
 
     def _twin(self, trial: optuna.Trial) -> int | None:
         """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued
@@ -220,6 +225,12 @@ class Scheduler:
 
             store.locked(section)
         return store.record(claim.number, result, claim.folder)
+
+    def holds(self, claim: Claim) -> bool:
+        """Whether ``claim`` is still this worker's: its trial runs under the claim's token (not
+        ended, put back in the queue or claimed again by another worker that found this one gone)."""
+        trial = self.store.trial(claim.number)
+        return trial.state == TrialState.RUNNING and (trial.system_attrs.get(SYS_RUN) or {}).get("token") == claim.token
 
     def release(self, claim: Claim) -> None:
         """Put a claimed trial that never started back in the queue (the sweep is stopping)."""

@@ -2,7 +2,7 @@
 
 Every second it reads the stop requests (``hpo stop``) of the trials this worker claimed;
 every ``resources.heartbeat`` seconds it beats their heartbeats and, under the ask lock,
-re-runs the trials of workers that are gone (:mod:`hpo.recovery`). After a store outage it
+re-runs the trials of workers that are gone (:mod:`hpo.recovery`), and says which. After a store outage it
 judges no heartbeat until every worker has had time to beat again
 (:func:`hpo.recovery.judges_beats`),
 since no worker could beat while the store was down.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpo.errors import StoreUnavailable
-from hpo.recovery import recover_stale
+from hpo.recovery import Recovered, recover_stale
 from hpo.store import StudyStore
 
 WATCH_INTERVAL_S = 1.0
@@ -30,15 +30,18 @@ class Watchdog:
         worker: this worker's id (``host:pid``).
         claimed: the numbers of the trials this worker claimed, started or not.
         stop_trial: called with a trial's number when a user asked to stop it.
+        found_gone: called with what became of the trials of gone workers, when there were any.
     """
 
     def __init__(self, store: StudyStore, workdir: Path, worker: str, claimed: Callable[[], list[int]],
-                 stop_trial: Callable[[int], None]) -> None:
+                 stop_trial: Callable[[int], None],
+                 found_gone: Callable[[list[Recovered]], None] = lambda gone: None) -> None:
         self._store = store
         self._workdir = workdir
         self._worker = worker
         self._claimed = claimed
         self._stop_trial = stop_trial
+        self._found_gone = found_gone
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,4 +79,6 @@ class Watchdog:
             if beat:
                 store.beat(number)
         if beat:
-            store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed())))
+            gone = store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed())))
+            if gone:
+                self._found_gone(gone)

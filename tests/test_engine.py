@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import re
 import signal
 import sqlite3
 import subprocess
@@ -121,6 +122,12 @@ def test_kill_9_then_rerun_finishes_exactly_the_budget(tmp_path: Path) -> None:
     assert len(lost) == 2 and all(r["reason"] == "lost: its worker stopped" for r in lost)
     assert {r["x"] for r in lost} <= {r["x"] for r in complete}
     assert not trial_processes(tmp_path)
+    for row in lost:  # the resumed run says whom it judged lost, and which trial runs it again
+        again = next(r["number"] for r in rows if r["repeat_of"] == row["number"])
+        assert re.search(rf"^trial {row['number']} \(worker \S+:{first.pid}\) judged lost: its process is gone; "
+                         rf"recorded LOST after [0-9.]+ s; queued again as trial {again}$", second.stdout, re.MULTILINE)
+        assert re.search(rf"^trial {again} started .*; runs trial {row['number']}'s configuration again$",
+                         second.stdout, re.MULTILINE), second.stdout
 
 
 def test_kill_9_with_retry_reruns_the_lost_configuration(tmp_path: Path) -> None:

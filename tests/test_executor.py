@@ -1,6 +1,7 @@
 """Running one trial and judging how it ended: the judge's table, and real processes on the local executor."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -214,3 +215,34 @@ def test_a_post_process_exit_code_carries_its_error_line(tmp_path: Path) -> None
     result = LocalExecutor().run(spec(tmp_path, "print('done')\n", objective, extra=(parse,)), Control())
     assert (result.outcome, result.reason) == (Outcome.FAIL, "post_process exit code 1: ValueError: no results file")
     assert dict(result.held_out) == {"test_error": 0.25}
+
+
+class PausedControl(Control):
+    """A worker paused (not scheduled) for ``pause`` seconds at its first poll of the trial."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def end_request(self) -> str | None:
+        time.sleep(self.pause)
+        self.pause = 0.0
+        return None
+
+
+def test_a_trial_that_ended_while_its_worker_was_paused_counts_only_what_is_known(tmp_path: Path) -> None:
+    """Its process ended during the pause, at a moment nobody saw: the duration runs to when it
+    was last seen running, not to when the worker woke, and result.json notes the pause."""
+    result = LocalExecutor().run(spec(tmp_path, "import time; time.sleep(0.3); print('val_error=0.5')"),
+                                 PausedControl(2.0))
+    assert result.outcome is Outcome.COMPLETE and result.duration_s < 0.5
+    record = json.loads((tmp_path / "trial-0007" / "result.json").read_text())
+    assert record["duration_s"] == result.duration_s and 1.5 < record["paused_s"] < 3.0
+    assert saved_result(tmp_path / "trial-0007", 7) == result
+
+
+def test_a_trial_that_ran_through_a_pause_of_its_worker_counts_all_of_it(tmp_path: Path) -> None:
+    result = LocalExecutor().run(spec(tmp_path, "import time; time.sleep(1.5); print('val_error=0.5')"),
+                                 PausedControl(1.0))
+    assert result.outcome is Outcome.COMPLETE and result.duration_s >= 1.5
+    assert "paused_s" not in json.loads((tmp_path / "trial-0007" / "result.json").read_text())

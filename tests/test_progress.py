@@ -1,11 +1,20 @@
-"""The summary line that status, the live view and the end of a sweep print."""
+"""The summary line that status, the live view and the end of a sweep print, and the line per event."""
 from __future__ import annotations
 
-import pytest
+import io
+from collections.abc import Callable
+from pathlib import Path
 
-from hpo.outcome import Outcome
-from hpo.progress import summary_line, tally
+import pytest
+from rich.console import Console
+
+from hpo.engine import TrialEnd, TrialStart
+from hpo.outcome import Outcome, TrialResult
+from hpo.progress import ProgressView, end_line, summary_line, tally
 from hpo.rows import TrialRow
+from hpo.scenario import Scenario, load_scenario
+
+WriteScenario = Callable[..., Path]
 
 
 def _row(number: int, value: float, rerun_of: int | None = None) -> TrialRow:
@@ -63,3 +72,56 @@ def test_failures_that_were_retried_are_said_apart_from_the_budget() -> None:
     rows = [_row(0, 0.3), _failed(1), _row(2, 0.2), _failed(3, retry_of=1), _failed(4, retry_of=3)]
     line = summary_line(tally(rows, 3, "minimize"), "val_error")
     assert line.startswith("3/3 trials done: 2 complete, 1 failed; 2 failed attempts retried (search.retry_failed).")
+
+
+END_LINES = [
+    pytest.param(TrialEnd(3, {}, TrialResult(Outcome.COMPLETE, 0.25, {"test_error": 0.5}, 3.04)),
+                 "trial 3 COMPLETE in 3.0 s: val_error=0.25 test_error=0.5", id="own-trial"),
+    pytest.param(TrialEnd(1, {}, TrialResult(Outcome.LOST, duration_s=2.0, reason="lost: its worker stopped"),
+                          "h:12", "no heartbeat for 4.1 s", again_as=4),
+                 "trial 1 (worker h:12) judged lost: no heartbeat for 4.1 s; recorded LOST after 2.0 s; "
+                 "queued again as trial 4", id="another-worker-s-trial-judged-lost-here"),
+    pytest.param(TrialEnd(1, {}, TrialResult(Outcome.FAIL, duration_s=2.0, reason="lost 3 times: its worker stopped"),
+                          "h:12", "its process is gone"),
+                 "trial 1 (worker h:12) judged lost: its process is gone; recorded FAIL after 2.0 s: lost 3 times: "
+                 "its worker stopped", id="lost-for-the-third-time"),
+    pytest.param(TrialEnd(1, {}, TrialResult(Outcome.COMPLETE, 0.5, {}, 3.0), "h:12", "its process is gone"),
+                 "trial 1 (worker h:12) found gone: its process is gone; recorded from its folder: COMPLETE in 3.0 s: "
+                 "val_error=0.5", id="its-result-was-in-its-folder"),
+    pytest.param(TrialEnd(1, {}, TrialResult(Outcome.LOST, duration_s=0.0, reason="lost: its worker stopped"), "h:12",
+                          again_as=4),
+                 "trial 1 (worker h:12) judged lost; recorded LOST after 0.0 s; queued again as trial 4",
+                 id="seen-in-the-store"),
+    pytest.param(TrialEnd(1, {}, TrialResult(Outcome.LOST, duration_s=1.0, reason="lost: its worker stopped"),
+                          unrecorded=TrialResult(Outcome.COMPLETE, 0.5, {}, 3.0), folder="runs/x/trial-0001",
+                          again_as=4),
+                 "trial 1 judged lost by another worker (this one could not beat its heartbeat in time): recorded "
+                 "LOST after 1.0 s; queued again as trial 4; its end here (COMPLETE in 3.0 s: val_error=0.5) is not "
+                 "recorded: it stays in runs/x/trial-0001", id="this-worker-s-trial-judged-lost-elsewhere"),
+]
+
+
+@pytest.mark.parametrize(("end", "line"), END_LINES)
+def test_each_end_is_one_line_that_says_who_recorded_what(end: TrialEnd, line: str) -> None:
+    assert end_line(end, "val_error") == line
+
+
+class Store:
+    """Just what the view reads: a scenario and the study's rows."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+
+    def rows(self) -> list[TrialRow]:
+        return []
+
+
+def test_a_re_run_says_whose_configuration_it_runs(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    out = io.StringIO()
+    view = ProgressView(Store(load_scenario(write_scenario(tmp_path))), 2, "1 slot",  # type: ignore[arg-type]
+                        Console(file=out, width=300))
+    view.started(TrialStart(4, {"x": 0.5}, 0, "1 CPU process", tmp_path / "trial-0004", repeat_of=1))
+    view.finished(END_LINES[1].values[0])
+    assert out.getvalue().splitlines() == [
+        "trial 4 started on slot 0 (1 CPU process): x=0.5; runs trial 1's configuration again",
+        END_LINES[1].values[1]]

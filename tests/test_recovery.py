@@ -16,7 +16,7 @@ from optuna.trial import TrialState, create_trial
 from hpo import designs
 from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
-from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, is_stale, judges_beats, recover_stale
+from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
 from hpo.scheduler import HOST, Claim, Scheduler, worker_id
 from hpo.storage import MAX_PAUSE_S
@@ -57,6 +57,19 @@ def test_is_stale(worker: str, beat_age: float | None, mine: set[int], judge: bo
     assert is_stale(frozen(worker, beat_age), time.time(), 1.0, ME, mine, judge) is stale  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("worker", "beat_age", "mine", "why"), [
+    pytest.param("ME", 0, set(), "no slot of this worker runs it", id="my-orphan"),
+    pytest.param("DEAD", 0, set(), "its process is gone", id="dead-process-on-this-host"),
+    pytest.param("elsewhere:12", 4.3, set(), "no heartbeat for 4.3 s", id="other-host-old-beat"),
+    pytest.param("elsewhere:12", 1, set(), None, id="other-host-recent-beat"),
+])
+def test_how_a_worker_was_found_gone_is_said(worker: str, beat_age: float, mine: set[int], why: str | None) -> None:
+    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}"}.get(worker, worker)
+    now = time.time()
+    trial = frozen(worker, beat_age)
+    assert gone_why(trial, now, 1.0, ME, mine) == why  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("healthy_since", "judged"), [
     pytest.param(float("-inf"), True, id="no-outage"),
     pytest.param(None, False, id="store-down"),
@@ -88,6 +101,10 @@ def claim_as(scheduler: Scheduler, worker: str, started: bool) -> Claim:
 
 
 def recover(scheduler: Scheduler, tmp_path: Path) -> list[int]:
+    return [r.number for r in recover_all(scheduler, tmp_path)]
+
+
+def recover_all(scheduler: Scheduler, tmp_path: Path) -> list[Recovered]:
     with scheduler.store.lock():
         return recover_stale(scheduler.store, tmp_path / "w", ME, set())
 
@@ -120,8 +137,11 @@ def test_no_heartbeat_is_judged_right_after_an_outage_that_the_recovery_waited_o
 def test_a_started_trial_of_a_dead_worker_is_lost_and_queued_again(tmp_path: Path,
                                                                    write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
-    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
-    assert recover(scheduler, tmp_path) == [c.number]
+    worker = f"{HOST}:{dead_pid()}"
+    c = claim_as(scheduler, worker, started=True)
+    [found] = recover_all(scheduler, tmp_path)
+    assert (found.number, found.worker, found.why, found.again_as) == (c.number, worker, "its process is gone", 1)
+    assert found.result is not None and found.result.outcome is Outcome.LOST and found.params == c.params
     rows = scheduler.store.rows()
     assert rows[0].outcome is Outcome.LOST and rows[0].reason == "lost: its worker stopped"
     assert rows[1].outcome is Outcome.WAITING and rows[1].requeue_of == 0 and rows[1].lost_count == 1
@@ -132,7 +152,8 @@ def test_a_started_trial_of_a_dead_worker_is_lost_and_queued_again(tmp_path: Pat
 def test_a_claim_that_never_started_goes_back_to_the_queue(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
     c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=False)
-    recover(scheduler, tmp_path)
+    [found] = recover_all(scheduler, tmp_path)
+    assert (found.number, found.result, found.again_as) == (c.number, None, None)
     assert scheduler.store.trial(c.number).state == TrialState.WAITING
     assert len(scheduler.store.rows()) == 1
 

@@ -1,6 +1,10 @@
-"""Nothing is ever lost with several workers: signals to ``hpo run --workers 2``, and a sequence of stops."""
+"""Nothing is ever lost with several workers: signals to ``hpo run --workers 2``, a sequence
+of stops, and a worker paused past its heartbeat."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,7 +13,13 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env
+from optuna.trial import TrialState
 from test_signals import assert_every_point_once, hpo, rows, write
+
+from hpo.errors import InputError
+from hpo.recovery import run_info
+from hpo.scenario import load_scenario
+from hpo.store import SYS_STARTED, StudyStore
 
 
 def test_signals_then_kill_then_resume(tmp_path: Path) -> None:
@@ -45,3 +55,55 @@ def test_workers_stop_together_and_resume(tmp_path: Path, sig: signal.Signals) -
     assert_every_point_once(path)
     logs = sorted((tmp_path / "runs" / "sweep").glob("worker-*.log"))
     assert len(logs) == 2 and all(log.read_text().count("--- hpo worker") == 2 for log in logs)
+
+
+def started_trial(path: Path) -> tuple[int, int] | None:
+    """A started trial of the study and its worker's pid, if one runs."""
+    try:
+        store = StudyStore(load_scenario(path), f"sqlite:///{path.parent}/runs/sweep/study.db", create=False)
+    except InputError:
+        return None
+    for trial in store.trials(states=(TrialState.RUNNING,)):
+        if SYS_STARTED in trial.system_attrs:
+            return trial.number, int(str(run_info(trial)["worker"]).rpartition(":")[2])
+    return None
+
+
+def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_path: Path) -> None:
+    """kill -STOP a worker while its trial runs, until the other worker judges the trial LOST,
+    then kill -CONT: the paused worker announces the LOST record, not its own COMPLETE, its
+    result.json does not count the pause as run time, it does not run the trial it had claimed
+    ahead and lost meanwhile, and the other worker's log says whom it judged lost and which
+    trial runs the configuration again."""
+    path = write(tmp_path, 2, pause=1.0)
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2"], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while (found := started_trial(path)) is None:
+        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+        time.sleep(0.05)
+    number, pid = found
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while not any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path)):
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, out + err
+    assert_every_point_once(path)
+    logs = {log.name: log.read_text() for log in (tmp_path / "runs" / "sweep").glob("worker-*.log")}
+    [paused] = [text for text in logs.values() if re.search(rf"^trial {number} started", text, re.MULTILINE)]
+    [other] = [text for text in logs.values() if text != paused]
+    starts = re.findall(r"^trial (\d+) started", "".join(logs.values()), re.MULTILINE)
+    assert len(starts) == len(set(starts)), logs  # a claim taken back while paused is not run by both workers
+    assert not re.search(rf"^trial {number} (COMPLETE|FAIL)", paused, re.MULTILINE), paused
+    assert re.search(rf"^trial {number} judged lost by another worker .*: recorded LOST after .*; queued again as "
+                     rf"trial \d+; its end here \(COMPLETE in .*\) is not recorded: it stays in ", paused, re.MULTILINE), paused
+    judged = re.search(rf"^trial {number} \(worker \S+:{pid}\) judged lost: no heartbeat for [0-9.]+ s; recorded "
+                       rf"LOST after [0-9.]+ s; queued again as trial (\d+)$", other, re.MULTILINE)
+    assert judged, other
+    assert f"runs trial {number}'s configuration again" in "".join(logs.values())
+    record = json.loads((tmp_path / "runs" / "sweep" / f"trial-{number:04d}" / "result.json").read_text())
+    assert record["outcome"] == "COMPLETE" and record["duration_s"] < 2.0 and record["paused_s"] > 1.0, record
