@@ -137,7 +137,7 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
                            on_line, watch(control.end_request))
         exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
         if exit_code != 0 and ended_by is None:
-            ended_by = _with_line(f"post_process exit code {exit_code}", tail)
+            ended_by = _with_line(f"post_process exit code {exit_code}", tail, or_last_line=True)
     result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout)
     return save_result(folder, spec.number, result, watch.paused_s)
 
@@ -168,8 +168,8 @@ class _Watch:
         return seen
 
 
-def _with_line(cause: str, tail: Sequence[str]) -> str:
-    line = last_error_line(tail)
+def _with_line(cause: str, tail: Sequence[str], or_last_line: bool = False) -> str:
+    line = last_error_line(tail, or_last_line=or_last_line)
     return f"{cause}: {line}" if line else cause
 
 
@@ -216,7 +216,7 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         extra = f": {metrics.smac_extra}" if metrics.smac_extra else ""
         return ended(Outcome.FAIL, f"trial reported {metrics.smac_status}{extra}")
     if exit_code != 0:
-        return ended(Outcome.FAIL, _with_line(f"exit code {exit_code}", tail))
+        return ended(Outcome.FAIL, _with_line(f"exit code {exit_code}", tail, or_last_line=True))
     metric = objective.metric
     if metric not in metrics.final:
         if metric in metrics.invalid:

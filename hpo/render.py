@@ -12,6 +12,7 @@ see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +123,33 @@ def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool]]:
     return out
 
 
+def _check_data_dir(scenario: Scenario) -> None:
+    """InputError unless the scenario's ``data_dir``, if set, is an existing folder; where
+    trials run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
+    data_dir = scenario.data_dir
+    if data_dir is not None and scenario.resources.cluster is None and not data_dir.is_dir():
+        problem = "is a file, not a folder" if data_dir.exists() else "not found"
+        raise InputError(f"data_dir: {data_dir} {problem}")
+
+
+def _check_template_paths(scenario: Scenario, entries: Sequence[tuple[Path, str, bool]]) -> None:
+    """InputError where the command or post_process names a template by its path from the
+    scenario's folder (``sub/t.py``) while the trial folder holds it under another name (``t.py``)."""
+    names = {name for _, name, _ in entries}
+    written_as = {source: name for source, name, _ in entries}
+    commands = {"command": scenario.command, "objective.post_process": scenario.objective.post_process or ()}
+    for field, argv in commands.items():
+        for arg in argv:
+            if arg.startswith("-") or Path(arg).is_absolute() or os.path.normpath(arg) in names:
+                continue
+            name = written_as.get(Path(os.path.normpath(scenario.folder / arg)))
+            if name is not None:
+                top = Path(os.path.normpath(arg)).parts[0]
+                keep = f", or use the folder {top}/ as the template to keep its path" if top != ".." else ""
+                raise InputError(f"{field}: template {arg} is written into the trial folder as {name}; "
+                                 f"write {name}{keep}")
+
+
 def trial_seed(seed: int, number: int) -> int:
     """The per-trial seed that templates see as ``trial_seed``: the study's seed plus the
     trial number (so trials differ and a study repeats), kept in [0, 2**31)."""
@@ -141,14 +169,18 @@ def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
 class Renderer:
     """Compiles a scenario's templates once; renders them into one folder per trial.
 
-    Construction raises :class:`InputError` for a missing template or a syntax error.
+    Construction raises :class:`InputError` for a missing template, a syntax error, a
+    ``data_dir`` that is not a folder, or a command that names a template by a path the trial
+    folder does not hold it under.
     """
 
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
+        _check_data_dir(scenario)
+        entries = _entries(scenario.template)
         names: set[str] = set()
-        for template, name, rendered in _entries(scenario.template):
+        for template, name, rendered in entries:
             if name in names or name in RESERVED_FILES:
                 raise InputError(f"template: two files would be written as {name}")
             names.add(name)
@@ -160,6 +192,7 @@ class Renderer:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
             self._renderers.append((name, render, template))
+        _check_template_paths(scenario, entries)
 
     @property
     def scenario(self) -> Scenario:

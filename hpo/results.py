@@ -419,10 +419,28 @@ def _root_cause(summary: Sequence[tuple[int | None, str]]) -> _RootCause | None:
                       fields.get("exitcode", "?").split(" ")[0], message)
 
 
-def _read_tail(lines: Sequence[str]) -> tuple[list[_ErrorLine], _RootCause | None]:
+def _read_tail(lines: Sequence[str]) -> tuple[list[tuple[int | None, str]], list[_ErrorLine], _RootCause | None]:
+    """A tail's cleaned lines before torchrun's failure summary, their error lines, and the summary's root cause."""
     cleaned = [_clean(line) for line in lines]
     split = next((i for i in range(len(cleaned)) if _is_summary_start(cleaned, i)), len(cleaned))
-    return _exception_lines(cleaned[:split]), _root_cause(cleaned[split:])
+    return cleaned[:split], _exception_lines(cleaned[:split]), _root_cause(cleaned[split:])
+
+
+def _last_plain_line(lines: Sequence[tuple[int | None, str]]) -> str:
+    """The last line that stands on its own, unless it reports metrics; '' if none.
+
+    Blank lines, bare progress bars, a launcher's log lines and indented lines (which continue
+    the line above, as a warning's source line) are passed over; the text after a progress bar
+    counts. A metric line as the last word means the output does not say why the trial failed.
+    """
+    for _, text in reversed(lines):
+        shown = text.rpartition("\r")[2]
+        if shown[:1].isspace() and not (_PROGRESS_BAR.match(shown) if "%|" in shown else None):
+            continue
+        shown = _after_progress(shown)
+        if shown and not _LAUNCHER_NOISE.search(shown) and not _SUMMARY_BORDER.match(shown):
+            return "" if shown.startswith(SMAC_PREFIXES) or _parse_formats(shown) is not None else shown
+    return ""
 
 
 def _short(text: str) -> str:
@@ -430,7 +448,7 @@ def _short(text: str) -> str:
     return text if len(text) <= ERROR_LINE_CHARS else text[:ERROR_LINE_CHARS - 1] + "…"
 
 
-def last_error_line(lines: Sequence[str]) -> str:
+def last_error_line(lines: Sequence[str], *, or_last_line: bool = False) -> str:
     """The line of a trial's output that best says why it failed, cut to ~200 characters; '' if none.
 
     That is the exception line that ends a Python traceback (frames skipped), argparse's
@@ -438,12 +456,16 @@ def last_error_line(lines: Sequence[str]) -> str:
     shell's report of a signal (``Killed``); failing those, a logged ``ERROR``. Under torchrun
     it is the error of the rank that torchrun names as the root cause (the others' errors are
     usually consequences), else the root cause in torchrun's summary; torchrun's own
-    traceback and log lines are skipped. The last such line wins.
+    traceback and log lines are skipped. The last such line wins. With ``or_last_line`` (for
+    a non-zero exit), failing all those, the output's last line unless it reports metrics
+    (``dataset shard missing`` printed before ``sys.exit(3)``), past progress bars and
+    indented continuation lines.
 
     Args:
         lines: the last lines of the output (any tail; a traceback cut at its top still reads).
+        or_last_line: fall back to the last line when no line reads as an error.
     """
-    found, root = _read_tail(lines)
+    output, found, root = _read_tail(lines)
     tiers = [[line.text for line in found if line.tier == tier] for tier in (2, 3)]
     if root is None:
         groups = [[line.text for line in found if line.tier == 1], *tiers]
@@ -453,6 +475,8 @@ def last_error_line(lines: Sequence[str]) -> str:
                   [line.text for line in found if line.tier == 1 and line.rank is None], *tiers,
                   [f"rank {root.rank} exited with code {root.exitcode}"]]
     chosen = next((group[-1] for group in groups if group), "")
+    if not chosen and or_last_line:
+        chosen = _last_plain_line(output)
     return _short(chosen)
 
 
@@ -467,7 +491,7 @@ def out_of_gpu_memory(lines: Sequence[str]) -> str | None:
     Args:
         lines: the last lines of the output.
     """
-    found, root = _read_tail(lines)
+    _, found, root = _read_tail(lines)
     errors = [line for line in found if _OOM.search(line.text)]
     own = [line.text for line in errors if root is not None and line.rank == root.rank]
     if own:

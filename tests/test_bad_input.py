@@ -130,6 +130,16 @@ CASES = {
     "template-dollar-undefined": Case(("train.py.j2 line 3", "${lr} is undefined"), {"syntax": "dollar"},
                                       template="a = ${x}\nb = 2\nc = ${lr}\n"),
     "template-runtime-error": Case(("train.py.j2 line 1", "ZeroDivisionError"), template="{{ x / 0 }}\n"),
+    "template-run-by-its-sub-folder-path": Case(("command: template sub/train.py is written into the trial folder as "
+                                                 "train.py; write train.py, or use the folder sub/ as the template"),
+                                                {"template": "sub/train.py", "command": "python sub/train.py"},
+                                                files={"sub/train.py": "print(1)\n"}),
+    # data
+    "data-dir-missing": Case(("data_dir: /", "/no-such-data not found"), {"data_dir": "no-such-data"}),
+    "data-dir-is-a-file": Case(("data_dir: /", "/notes.txt is a file, not a folder"), {"data_dir": "notes.txt"},
+                               files={"notes.txt": "not data\n"}),
+    "run-data-dir-missing": Case(("data_dir: /", "/no-such-data not found"), {"data_dir": "no-such-data"},
+                                 args=("run", "{scenario}")),
     # command line
     "unknown-command": Case(("invalid choice", "frobnicate"), args=("frobnicate", "{scenario}")),
     "workers-zero": Case(("--workers", "must be at least 1, got 0"), args=("run", "{scenario}", "--workers", "0")),
@@ -238,6 +248,9 @@ elif mode == "garbage":
 elif mode == "crash":
     report(val_error=0.1)
     sys.exit(3)
+elif mode == "shard":
+    print("dataset shard missing", file=sys.stderr)
+    sys.exit(3)
 elif mode == "nan":
     report(val_error=math.nan, test_error=0.4)
 elif mode == "text":
@@ -248,6 +261,7 @@ EXPECTED_OUTCOMES = {
     "ok": ("COMPLETE", ""),
     "garbage": ("FAIL", "val_error was never reported"),
     "crash": ("FAIL", "exit code 3"),
+    "shard": ("FAIL", "exit code 3: dataset shard missing"),
     "nan": ("FAIL", "val_error is nan"),
     "text": ("FAIL", "val_error is not a number: low"),
 }

@@ -30,6 +30,8 @@ OBJECTIVE = Objective(metric="val_error", held_out=("test_error",))
                      {"test_error": 0.3}, "exit code 1: ValueError: bad shape", id="exit-code-with-error-line"),
         pytest.param("usage: main.py [-h]\nmain.py: error: unrecognized arguments: --batch_size 64", 2, None, "FAIL",
                      None, {}, "exit code 2: main.py: error: unrecognized arguments: --batch_size 64", id="argparse"),
+        pytest.param("epoch 1\ndataset shard missing", 3, None, "FAIL", None, {}, "exit code 3: dataset shard missing",
+                     id="exit-code-quotes-a-plain-last-line"),
         pytest.param("val_error=0.2", -9, None, "FAIL", None, {}, "killed by SIGKILL (out of host memory?)",
                      id="sigkill"),
         pytest.param("x\nSegfault", -11, None, "FAIL", None, {}, "killed by SIGSEGV", id="sigsegv"),

@@ -64,6 +64,7 @@ def test_templates_render(tmp_path: Path, write_scenario: WriteScenario, syntax:
 
 
 def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    (tmp_path / "data").mkdir()
     renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
     texts = renderer.render_texts(0, tmp_path, {"x": 0.5, "opt": "a"})
     assert texts == {"t.py": str((tmp_path / "data").resolve())}
@@ -189,3 +190,71 @@ def test_a_folder_brings_its_files_under_its_name(tmp_path: Path, write_scenario
     write_files(folder, renderer.files(0, folder, {"x": 0.25, "opt": "a"}, ["python", "train.py"]))
     assert (folder / "models" / "blocks" / "net.py").read_text() == "WIDTH = 0.25\n"
     assert not (folder / "models" / "__pycache__").exists()
+
+
+@pytest.mark.parametrize(
+    ("data_dir", "problem"),
+    [
+        pytest.param("../no-such-data", "{tmp}/no-such-data not found", id="missing"),
+        pytest.param("../notes.txt", "{tmp}/notes.txt is a file, not a folder", id="a-file"),
+        pytest.param("../dangling", "{tmp}/gone not found", id="a-dangling-link-names-its-target"),
+    ],
+)
+def test_data_dir_must_be_a_folder(tmp_path: Path, write_scenario: WriteScenario, data_dir: str, problem: str) -> None:
+    (tmp_path / "notes.txt").write_text("not data\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(InputError) as info:
+        _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ data_dir }}"}, data_dir=data_dir)
+    assert str(info.value) == "data_dir: " + problem.format(tmp=tmp_path.resolve())
+
+
+def test_a_clusters_data_dir_is_a_path_on_its_machines(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ data_dir }}"}, data_dir="/on/the/workers",
+                         resources={"cluster": {"address": "tcp://127.0.0.1:8786"}})
+    assert renderer.scenario.data_dir == Path("/on/the/workers")
+
+
+@pytest.mark.parametrize(
+    ("template", "overrides", "message"),
+    [
+        pytest.param("sub/t.py", {"command": "python sub/t.py"},
+                     "command: template sub/t.py is written into the trial folder as t.py; write t.py, or use the "
+                     "folder sub/ as the template to keep its path", id="command"),
+        pytest.param("sub/t.py", {"command": "python t.py", "objective": {"post_process": "python ./sub/t.py"}},
+                     "objective.post_process: template ./sub/t.py is written into the trial folder as t.py; write "
+                     "t.py, or use the folder sub/ as the template to keep its path", id="post-process"),
+        pytest.param("../shared/t.py.j2", {"command": "python ../shared/t.py.j2"},
+                     "command: template ../shared/t.py.j2 is written into the trial folder as t.py; write t.py",
+                     id="outside-the-scenario-folder"),
+    ],
+)
+def test_a_command_naming_a_template_by_a_path_it_is_not_written_under_is_an_error(
+        tmp_path: Path, write_scenario: WriteScenario, template: str, overrides: dict[str, Any], message: str) -> None:
+    for name in ("sc/sub/t.py", "shared/t.py.j2"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("print(1)\n")
+    path = write_scenario(tmp_path / "sc", template=[template], template_text=None, **overrides)
+    with pytest.raises(InputError) as info:
+        Renderer(load_scenario(path))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("template", "command", "names"),
+    [
+        pytest.param("sub/t.py", "python t.py", ("t.py",), id="a-file-under-its-own-name"),
+        pytest.param("sub", "python sub/t.py", ("sub/t.py",), id="a-folder-keeps-its-path"),
+        pytest.param("t.py", "python ./t.py", ("t.py",), id="dot-slash"),
+    ],
+)
+def test_where_a_template_lands_is_what_the_command_runs(tmp_path: Path, write_scenario: WriteScenario,
+                                                         template: str, command: str, names: tuple[str, ...]) -> None:
+    for name in ("sub/t.py", "t.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("print(1)\n")
+    renderer = Renderer(load_scenario(write_scenario(tmp_path, template=[template], template_text=None,
+                                                     command=command)))
+    assert renderer.names == names
+    folder = tmp_path / "trial-0000"
+    write_files(folder, renderer.files(0, folder, {"x": 0.5, "opt": "a"}, shlex.split(command)))
+    assert (folder / names[0]).read_text() == "print(1)\n"

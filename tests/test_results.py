@@ -151,23 +151,34 @@ def test_a_metric_reported_only_per_step_takes_its_last_step_value(monkeypatch: 
     assert [step for step, _ in metrics.intermediate] == [1, 2, 3]
 
 
-@pytest.mark.parametrize(
-    ("lines", "final", "invalid"),
-    [
-        pytest.param(['{"step": 1, "val_error": 0.5, "lr": 0.1}', '{"step": 2, "val_error": 0.4}', "test_error=0.3"],
-                     {"val_error": 0.4, "lr": 0.1, "test_error": 0.3}, {}, id="each-metric-its-last-step"),
-        pytest.param(["val_error=0.2", '{"step": 3, "val_error": 0.4}'], {"val_error": 0.2}, {},
-                     id="a-final-report-wins-over-a-later-step"),
-        pytest.param(['{"step": 1, "val_error": 0.5}', "val_error=abc"], {}, {"val_error": "abc"},
-                     id="a-final-non-number-wins"),
-        pytest.param(['{"step": 1, "val_error": 0.5}', '{"step": 2, "val_error": null}'], {}, {"val_error": "null"},
-                     id="a-last-step-non-number"),
-        pytest.param(['{"step": 1, "val_error": null}', '{"step": 2, "val_error": 0.5}'], {"val_error": 0.5}, {},
-                     id="a-step-number-after-a-non-number"),
-    ],
-)
-def test_the_last_step_value_is_final_unless_a_final_report_came(lines: list[str], final: dict[str, float],
-                                                                  invalid: dict[str, str]) -> None:
+# lines -> (final, invalid). A metric's last final report decides; a metric reported only with a step
+# takes its last step's value (or text).
+LAST_STEP_CASES = [
+    pytest.param(['{"step": 1, "val_error": 0.5, "lr": 0.1}', '{"step": 2, "val_error": 0.4}', "test_error=0.3"],
+                 {"val_error": 0.4, "lr": 0.1, "test_error": 0.3}, {}, id="step-each-metric-its-last-step"),
+    pytest.param(["val_error=0.2", '{"step": 3, "val_error": 0.4}'], {"val_error": 0.2}, {},
+                 id="step-a-final-report-wins-over-a-later-step"),
+    pytest.param(['{"step": 1, "val_error": 0.5}', "val_error=abc"], {}, {"val_error": "abc"},
+                 id="step-a-final-non-number-wins"),
+    pytest.param(['{"step": 1, "val_error": 0.5}', '{"step": 2, "val_error": null}'], {}, {"val_error": "null"},
+                 id="step-a-last-step-non-number"),
+    pytest.param(['{"step": 1, "val_error": null}', '{"step": 2, "val_error": 0.5}'], {"val_error": 0.5}, {},
+                 id="step-a-number-after-a-non-number"),
+]
+# lines -> (final, invalid). A value that is not a number is invalid, kept as printed; a metric's last report wins.
+NON_NUMBER_CASES = [
+    pytest.param(["val_error=abc"], {}, {"val_error": "abc"}, id="text-pair"),
+    pytest.param(['{"val_error": "0.1"}'], {}, {"val_error": '"0.1"'}, id="text-json-string"),
+    pytest.param(['{"val_error": null, "ok": true}'], {}, {"val_error": "null", "ok": "true"}, id="text-json-null-bool"),
+    pytest.param(["val_error=abc", "val_error=0.2"], {"val_error": 0.2}, {}, id="text-then-a-number"),
+    pytest.param(["val_error=0.2", "val_error=abc"], {}, {"val_error": "abc"}, id="text-after-a-number"),
+    pytest.param(["val_error=0.2", '{"val_error": [1]}'], {}, {"val_error": "[1]"}, id="text-json-list-after-a-number"),
+]
+
+
+@pytest.mark.parametrize(("lines", "final", "invalid"), LAST_STEP_CASES + NON_NUMBER_CASES)
+def test_the_last_report_of_a_metric_decides_its_final_value_or_text(lines: list[str], final: dict[str, float],
+                                                                     invalid: dict[str, str]) -> None:
     metrics = parse_text("\n".join(lines), "val_error")
     assert metrics.final == final
     assert metrics.invalid == invalid
@@ -259,24 +270,6 @@ def test_long_lines_are_parsed_quickly(line: str, final: dict[str, float]) -> No
     metrics = parse_text(line, "val_error")
     assert time.perf_counter() - start < 2.0
     assert metrics.final == final
-
-
-@pytest.mark.parametrize(
-    ("lines", "final", "invalid"),
-    [
-        (["val_error=abc"], {}, {"val_error": "abc"}),
-        (['{"val_error": "0.1"}'], {}, {"val_error": '"0.1"'}),
-        (['{"val_error": null, "ok": true}'], {}, {"val_error": "null", "ok": "true"}),
-        (["val_error=abc", "val_error=0.2"], {"val_error": 0.2}, {}),
-        (["val_error=0.2", "val_error=abc"], {}, {"val_error": "abc"}),
-        (["val_error=0.2", '{"val_error": [1]}'], {}, {"val_error": "[1]"}),
-    ],
-)
-def test_non_numbers_are_invalid_and_the_last_report_wins(lines: list[str], final: dict[str, float],
-                                                          invalid: dict[str, str]) -> None:
-    metrics = parse_text("\n".join(lines), "val_error")
-    assert metrics.final == final
-    assert metrics.invalid == invalid
 
 
 @pytest.mark.parametrize(
@@ -792,6 +785,7 @@ ERROR_CASES = [
                  id="exception-line-without-traceback"),
     pytest.param("", "", None, id="empty"),
     pytest.param(MNIST_OUTPUT, "", None, id="a-clean-run"),
+    pytest.param("loading data\ndataset shard missing\n", "", None, id="a-plain-line-is-no-error-line"),
 ]
 
 
@@ -801,6 +795,40 @@ def test_the_error_line_of_real_outputs(output: str, line: str, oom: str | None)
     assert last_error_line(lines) == line
     assert out_of_gpu_memory(lines) == oom
     assert len(line) <= ERROR_LINE_CHARS
+
+
+LONG_PLAIN_LINE = "shard " + "x" * 400
+
+# output -> last_error_line(or_last_line=True), as for a non-zero exit
+LAST_LINE_CASES = [
+    pytest.param("loading data\ndataset shard missing\n", "dataset shard missing", id="a-plain-stderr-line"),
+    pytest.param("dataset shard missing\n\repochs: 100%|██████████| 3/3 [00:00<00:00, 19.37it/s]\n\n",
+                 "dataset shard missing", id="a-progress-bar-and-blank-lines-are-passed-over"),
+    pytest.param("Epoch 1 lr=0.1 loss 3\nval_error=0.4 test_error=0.5\n", "", id="a-metric-line-last"),
+    pytest.param("dataset shard missing\n" + '{"step": 1, "val_error": 0.5}\n', "", id="a-json-metric-line-last"),
+    pytest.param("dataset shard missing\ntest_error\t0.5\n", "", id="a-tab-metric-line-last"),
+    pytest.param("dataset shard missing\nResult of this algorithm run: SAT, 1, 0, 0.4, 1\n", "",
+                 id="a-smac-line-last"),
+    pytest.param("\r 50%|█████     | 1/2 [00:00<00:00]shard 3 of 8 missing\n", "shard 3 of 8 missing",
+                 id="the-text-after-a-progress-bar"),
+    pytest.param("[rank0]:\x1b[33mno shard for rank 0\x1b[0m\n", "no shard for rank 0", id="colours-and-rank-prefix"),
+    pytest.param("train.py:9: UserWarning: no GPU, running on the CPU\n  warnings.warn(\n",
+                 "train.py:9: UserWarning: no GPU, running on the CPU", id="an-indented-line-continues-the-one-above"),
+    pytest.param(LONG_PLAIN_LINE, LONG_PLAIN_LINE[:ERROR_LINE_CHARS - 1] + "…", id="cut-to-length"),
+    pytest.param(CHAINED + "cleaning up\n", "RuntimeError: no data set at /data/digits.npz: run prepare.py first",
+                 id="an-exception-wins"),
+    pytest.param(LOGGED_ERROR + "bye\n", "2025-03-02 10:31:09,456 ERROR train: the validation set is empty (0 of "
+                 "1797 samples)", id="a-logged-error-wins"),
+    pytest.param(TORCHRUN_SIGKILL, "Signal 9 (SIGKILL) received by PID 22424", id="torchrun-root-cause-wins"),
+    pytest.param(TQDM_OUTPUT, "", id="metrics-after-progress-bars"),
+    pytest.param("", "", id="empty"),
+]
+
+
+@pytest.mark.parametrize(("output", "line"), LAST_LINE_CASES)
+def test_a_non_zero_exit_quotes_the_last_line_when_no_line_reads_as_an_error(output: str, line: str) -> None:
+    tail = output.split("\n")  # as the executor's tail: lines end at newlines only, carriage returns stay
+    assert last_error_line(tail, or_last_line=True) == line
 
 
 @pytest.mark.parametrize(
