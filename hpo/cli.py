@@ -1,8 +1,8 @@
 """The ``hpo`` command line: one explicit table of commands (see :data:`COMMANDS`).
 
 Every command takes the scenario file first. Exit codes: 0 ok, 2 bad input (scenario,
-CSV, template, arguments; one line on stderr, no traceback), 130 SIGINT, 143 SIGTERM,
-1 anything else (``HPO_DEBUG=1`` shows its traceback).
+CSV, template, arguments, an output that cannot be written; one line on stderr, no
+traceback), 130 SIGINT, 143 SIGTERM, 1 anything else (``HPO_DEBUG=1`` shows its traceback).
 
 Environment: ``HPO_GPUS=0,1`` overrides the GPUs hpo detects (``HPO_GPUS=`` means none);
 trial processes see ``HPO_TRIAL_NUMBER``, ``HPO_TRIAL_DIR``, ``HPO_SLOT``, ``HPO_TRIAL_TOKEN``,
@@ -15,6 +15,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -150,7 +151,7 @@ class _Signals:
 
 
 def _plan(ctx: Context, at_least: int = 1, parallel: int | str | None = None, gpus: str | None = None) -> tuple[Any, ...]:
-    from hpo.launch import detect_gpus, gpu_ids, plan_slots
+    from hpo.launch import detect_gpus, env_threads, gpu_ids, plan_slots
 
     updates: dict[str, Any] = {}
     if parallel is not None:
@@ -158,18 +159,35 @@ def _plan(ctx: Context, at_least: int = 1, parallel: int | str | None = None, gp
     if gpus is not None:
         updates["gpus"] = gpu_ids(gpus, "--gpus")
     return plan_slots(ctx.scenario.resources.model_copy(update=updates), detect_gpus(), at_least=at_least,
-                      gpus_field="resources.gpus" if gpus is None else "--gpus")
+                      gpus_field="resources.gpus" if gpus is None else "--gpus", threads=env_threads(ctx.scenario.env))
 
 
-def describe_plan(slots: Sequence[Any], executor: Any = None) -> str:
+def describe_plan(slots: Sequence[Any], executor: Any = None, parallel: tuple[int | str, str] | None = None) -> str:
     """``2 slots: 1 process on 1/2 of GPU 0, ...`` in one line (as ``executor`` describes its
-    slots where the trials run on a Dask cluster)."""
+    slots where the trials run on a Dask cluster). ``parallel``: the number of slots asked
+    for and the setting that asked (``resources.parallel``, ``--parallel``); the line says
+    when the GPUs allowed fewer."""
     if executor:
         return executor.describe(slots)
     from hpo.launch import plural
 
     kinds = sorted({slot.describe() for slot in slots})
-    return f"{plural(len(slots), 'slot')}: {'; '.join(kinds)}"
+    capped = ""
+    if parallel is not None and isinstance(parallel[0], int) and 0 < len(slots) < parallel[0]:
+        gpus, share = len({gpu for slot in slots for gpu in slot.gpus}), slots[0].share
+        room = f"{share} trials per GPU" if share > 1 else f"{plural(len(slots[0].gpus), 'GPU')} per trial"
+        capped = f" ({parallel[1]} {parallel[0]} capped to {len(slots)}: {plural(gpus, 'GPU')}, {room})"
+    return f"{plural(len(slots), 'slot')}{capped}: {'; '.join(kinds)}"
+
+
+def _asked(ctx: Context, args: argparse.Namespace) -> tuple[int | str, str] | None:
+    """How many slots the command line or the scenario asked for, and where (see
+    :func:`describe_plan`); None for a worker given its slots by ``hpo run --workers``."""
+    if getattr(args, "slots", None):
+        return None
+    if getattr(args, "parallel", None) is not None:
+        return args.parallel, "--parallel"
+    return ctx.scenario.resources.parallel, "resources.parallel"
 
 
 def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> Any:
@@ -217,7 +235,8 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
             forest_service.stop()
         sweep.prepare()
         signals = _Signals(lambda signum: sweep.stop())
-        with signals.installed(), ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
+        with signals.installed(), ProgressView(sweep.store, sweep.budget,
+                                                describe_plan(slots, executor, _asked(ctx, args))) as view:
             sweep.run(view)
     finally:
         if executor:
@@ -276,7 +295,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
     signals = _Signals(forward)
     with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor)) as view:
+        with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor, _asked(ctx, args))) as view:
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
         codes = [proc.wait() for proc in procs]
     code = signals.exit_code()
@@ -334,17 +353,36 @@ def cmd_status(args: argparse.Namespace) -> int:
                    *(["GPUs"] if running else []), "reason"):
         table.add_column(column, overflow="fold")
     best = summary.best
+    since = _running_since(ctx, shown)
     for row in shown:
         mark = " *" if best is not None and row.number == best.number else ""
+        seconds = f"{time.time() - since[row.number]:.1f} (running)" if row.number in since else \
+            _number(row.duration_s, ".1f")
         table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
                       _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
-                      _number(row.duration_s, ".1f"), *([row.gpus] if running else []), _reason(row))
+                      seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), _reason(row))
     if shown:
         console.print(table)
     console.print(summary_line(summary, scenario.objective.metric), highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"best params: {format_params(best.params)}", highlight=False, soft_wrap=True)
     return EXIT_OK
+
+
+def _running_since(ctx: Context, rows: Sequence[Any]) -> dict[int, float]:
+    """When each RUNNING one of ``rows`` started running (epoch seconds), read from the store."""
+    numbers = [row.number for row in rows if row.state == "RUNNING"]
+    if not numbers:
+        return {}
+    store = _store(ctx)
+    starts = {number: store.trial(number).datetime_start for number in numbers}
+    return {number: start.timestamp() for number, start in starts.items() if start is not None}
+
+
+def gpu_cell(gpus: str, share: int) -> str:
+    """The GPUs a trial ran on (``0,1``), with the fraction of the GPU it had where
+    ``share`` trials share each (``1 (1/2)``, as the plan says ``1/2 of GPU 1``)."""
+    return f"{gpus} (1/{share})" if gpus and share > 1 else gpus
 
 
 def _reason(row: Any) -> str:
@@ -375,13 +413,13 @@ def _number(value: float | None, fmt: str = ".4g") -> str:
     return "" if value is None else format(value, fmt)
 
 
-def export_rows(ctx: Context, out: Any) -> int:
+def export_rows(ctx: Context, out: Any, rows: Sequence[Any] | None = None) -> int:
     """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
-    configuration a row runs again); return the number of rows."""
+    configuration a row runs again) from ``rows`` (default: the study's); return the number of rows."""
     from hpo.rows import repeat_of
 
     scenario = ctx.scenario
-    rows = _snapshot(ctx)
+    rows = _snapshot(ctx) if rows is None else rows
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
     params = _param_columns(scenario, rows)
     writer = csv.writer(out)
@@ -402,21 +440,52 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write one row per trial, in trial-number order, to -o FILE (or stdout)."""
     ctx = _context(args)
     if args.output in (None, "-"):
-        export_rows(ctx, sys.stdout)
+        rows = _snapshot(ctx)
+        try:
+            export_rows(ctx, sys.stdout, rows)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise InputError(f"-o: cannot write the CSV to stdout: {exc.strerror or exc}") from None
         return EXIT_OK
     target = Path(args.output)
     if target.is_dir():
         raise InputError(f"-o: {target} is a folder; name a file in it, e.g. {target / 'trials.csv'}")
     if not target.parent.exists():
         raise InputError(f"-o: folder {target.parent} does not exist")
-    try:
-        handle = target.open("w", newline="")
-    except OSError as exc:
-        raise InputError(f"-o: cannot write {target}: {exc.strerror}") from None
-    with handle:
-        count = export_rows(ctx, handle)
+    rows = _snapshot(ctx)
+    with _whole_file(target, "-o") as handle:
+        count = export_rows(ctx, handle, rows)
     print(f"wrote {count} trials to {target}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _whole_file(target: Path, flag: str) -> Iterator[Any]:
+    """A text file to write ``target`` through, whole or not at all: a regular file is
+    written beside it under a temporary name and renamed over it once closed (a device or
+    pipe, such as /dev/stdout, is written in place). A failure to write is an InputError
+    naming ``flag``, ``target`` and the system's reason, and leaves no temporary file."""
+    existing = target.is_file()
+    special = target.exists() and not existing
+    real = target.resolve() if existing else target  # a link to a file: the file is replaced
+    temporary = real if special else real.with_name(f".{real.name}.{os.getpid()}.tmp")
+    try:
+        if existing:
+            real.open("a").close()  # refused where the file is read-only, as writing it in place would be
+        with temporary.open("w", newline="") as handle:
+            yield handle
+        if not special:
+            if existing:
+                shutil.copymode(real, temporary)
+            temporary.replace(real)
+    except OSError as exc:
+        raise InputError(f"{flag}: cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        if not special:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
 
 
 def _new_folder(folder: Path, flag: str) -> Path:
@@ -507,6 +576,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     best = best_row(_snapshot(ctx), ctx.scenario.objective.direction)
     if best is None:
         raise InputError(f"study {ctx.scenario.name}: no completed trial yet")
+    created = target is not None and not target.exists()
     if target is not None:
         if not best.folder or not Path(best.folder).is_dir():
             raise InputError(f"--copy-to: trial {best.number}'s folder {best.folder or '(none)'} is gone")
@@ -517,9 +587,36 @@ def cmd_best(args: argparse.Namespace) -> int:
         print(f"  {name} = {value}")
     print(f"  folder: {best.folder}")
     if target is not None:
-        shutil.copytree(best.folder, target, dirs_exist_ok=True)
+        _copy_folder(Path(best.folder), target, created)
         print(f"copied to {target}")
     return EXIT_OK
+
+
+def _copy_folder(source: Path, target: Path, created: bool) -> None:
+    """Copy ``source`` into the empty folder ``target``, whole or not at all (through a
+    temporary folder beside it); an InputError naming ``target`` and the system's reason
+    where it cannot be, ``target`` removed again if it was ``created`` for the copy."""
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copytree(source, temporary)
+        temporary.replace(target)  # renaming over an empty folder replaces it
+    except OSError as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                target.rmdir()
+        raise InputError(f"--copy-to: cannot copy {source} to {target}: {_why(exc)}") from None
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _why(exc: OSError) -> str:
+    """The system's reason for ``exc`` (``No space left on device``); of a shutil.Error, for
+    the first file that could not be copied."""
+    if isinstance(exc, shutil.Error):
+        first = str(exc.args[0][0][2])
+        found = re.match(r"\[Errno (\d+)\]", first)
+        return os.strerror(int(found.group(1))) if found else first
+    return exc.strerror or str(exc)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -535,7 +632,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
     cluster = scenario.resources.cluster
-    where = describe_plan(_plan(ctx)) if cluster is None else "trials on a Dask cluster"
+    where = describe_plan(_plan(ctx), parallel=_asked(ctx, args)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
     reach(ctx.storage, create=False)
     _quiet_optuna()

@@ -92,14 +92,23 @@ def plural(count: int, word: str) -> str:
     return f"{count} {word}{('es' if word.endswith('s') else 's') if count != 1 else ''}"
 
 
+def env_threads(env: Mapping[str, str]) -> int | None:
+    """The threads per process that a scenario's ``env`` gives its trials with
+    ``OMP_NUM_THREADS`` (of a nested list such as ``4,2``, the outer 4); None where it sets
+    no whole number of 1 or more."""
+    first = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
 def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None = None,
-               at_least: int = 1, gpus_field: str = "resources.gpus") -> tuple[Slot, ...]:
+               at_least: int = 1, gpus_field: str = "resources.gpus", threads: int | None = None) -> tuple[Slot, ...]:
     """The machine's task slots: GPUs (``resources.gpus`` or those detected), processes and
     threads divided among all of them.
 
     ``at_least`` slots are planned even where ``parallel`` asks for fewer (``--workers K``
     gives each worker a slot); an InputError names the setting that cannot be met
-    (``gpus_field``: where ``resources.gpus`` came from, e.g. ``--gpus``).
+    (``gpus_field``: where ``resources.gpus`` came from, e.g. ``--gpus``). ``threads`` per
+    process, where given (the scenario's ``env``: :func:`env_threads`), replace the division.
     """
     ids = tuple(resources.gpus) if resources.gpus is not None else tuple(gpus)
     absent = [g for g in ids if g not in gpus]
@@ -132,7 +141,7 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
             processes = resources.processes_per_trial or 1
         count = max(1, cpus // processes) if wanted == "auto" else max(wanted, at_least)
         assigned = [()] * count
-    threads = max(1, cpus // (count * processes))
+    threads = threads or max(1, cpus // (count * processes))
     return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import textwrap
 import warnings
@@ -346,8 +347,18 @@ def _style() -> Iterator[None]:
         yield
 
 
-def _save(figure: Figure, path: Path) -> Path:
-    figure.savefig(path)
+def _save(figure: Figure, path: Path, **options: Any) -> Path:
+    """Write ``figure`` to ``path`` whole or not at all (through a temporary file beside it);
+    an InputError naming ``path`` and the system's reason where it cannot be written."""
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        figure.savefig(temporary, **options)
+        temporary.replace(path)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
     return path
 
 
@@ -534,7 +545,7 @@ class _OptunaChart:
                 prepare(axes)
                 self._tidy(figure, axes)
                 finish(axes)
-                figure.savefig(path, dpi=DPI, bbox_inches="tight")
+                _save(figure, path, dpi=DPI, bbox_inches="tight")
             finally:
                 plt.close(figure)
         return path
@@ -608,7 +619,8 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
 
 def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
              rows: Sequence[PlotRow] | None = None) -> list[Path]:
-    """Draw every chart that the study's trials allow into ``folder``; return the files.
+    """Draw every chart that the study's trials allow into ``folder``; return the files. Each
+    file is written whole or not at all; an InputError names one that cannot be.
 
     Args:
         study: the scenario's Optuna study.
@@ -624,7 +636,10 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
         rows = [read_row(trial) for trial in study.get_trials(deepcopy=False)]
     if not rows:
         raise InputError(f"study {scenario.name} has no trials to plot yet")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
     objective = scenario.objective
     history = history_data(rows, objective.direction, objective.held_out)
     paths = [draw_history(history, scenario.name, objective.metric, objective.direction, folder / "history.png"),

@@ -20,6 +20,7 @@ from hpo.launch import (
     build_argv,
     check_command,
     detect_gpus,
+    env_threads,
     flag_args,
     kill_by_token,
     plan_slots,
@@ -263,6 +264,23 @@ def test_the_scenario_env_sets_omp_num_threads() -> None:
     env = trial_env(Slot(0, (), 1, 6), "tok", {"OMP_NUM_THREADS": "3"}, base={"OMP_NUM_THREADS": "8"})
     assert env["OMP_NUM_THREADS"] == "3"
     assert trial_env(Slot(0, (), 1, 6), "tok", {}, base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "6"
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"OMP_NUM_THREADS": "4"}, 4), ({"OMP_NUM_THREADS": "4,2"}, 4), ({"OMP_NUM_THREADS": " 3 "}, 3),
+    ({}, None), ({"OMP_NUM_THREADS": "0"}, None), ({"OMP_NUM_THREADS": "many"}, None), ({"OTHER": "4"}, None),
+])
+def test_env_threads(env: dict[str, str], expected: int | None) -> None:
+    assert env_threads(env) == expected
+
+
+@pytest.mark.parametrize(("gpus", "cpus"), [((), 2), ((0, 1), 16)])
+def test_the_plan_gives_the_threads_that_the_env_sets(gpus: tuple[int, ...], cpus: int) -> None:
+    slots = plan_slots(Resources(parallel=2), gpus, cpu_count=cpus, threads=4)
+    assert [slot.threads for slot in slots] == [4, 4]
+    assert trial_env(slots[0], "tok", {"OMP_NUM_THREADS": "4"}, base={})["OMP_NUM_THREADS"] == "4"
+    if not gpus:
+        assert slots[0].describe() == "1 CPU process of 4 threads"
 
 
 def test_trial_env() -> None:

@@ -6,7 +6,9 @@ errs 0.66-0.90), one where every trial failed, one with outliers, one with every
 """
 from __future__ import annotations
 
+import errno
 import math
+import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from typing import Any
 
 import optuna
 import pytest
+from matplotlib.figure import Figure
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -347,6 +350,33 @@ def test_draw_all_reads_the_rows_from_the_study_when_not_given(tmp_path: Path) -
     paths = draw_all(study, scenario(held_out=()), tmp_path)
     assert {p.name for p in paths} >= {"history.png", "states.png"}
 
+
+
+@pytest.mark.parametrize("failing", ["states", "slice"])
+def test_a_chart_that_cannot_be_written_is_named_and_left_out_whole(failing: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    save = Figure.savefig
+
+    def disk_full(figure: Figure, path: Any, **options: Any) -> None:
+        if Path(path).name.startswith(f".{failing}."):
+            Path(path).write_bytes(b"\x89PNG half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save(figure, path, **options)
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    study, rows = digits_study()
+    with pytest.raises(InputError) as raised:
+        draw_all(study, scenario(), tmp_path, rows=rows)
+    assert str(raised.value) == f"cannot write {tmp_path / failing}.png: No space left on device"
+    written = {"states": ["history.png"], "slice": ["history.png", "importances.png", "states.png"]}[failing]
+    assert sorted(path.name for path in tmp_path.iterdir()) == written
+    assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in tmp_path.iterdir())
+
+
+def test_a_plot_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    study, rows = digits_study(trials=4)
+    with pytest.raises(InputError, match=r"^cannot create the folder /proc/hpo-plots: No such file or directory$"):
+        draw_all(study, scenario(), Path("/proc/hpo-plots"), rows=rows)
 
 
 def test_importances_cover_a_study_resumed_with_widened_ranges() -> None:

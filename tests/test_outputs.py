@@ -1,0 +1,192 @@
+"""What the commands tell a user, in-process: the plan of a sweep (threads, slots capped by
+the GPUs), the status of running trials on shares of fake GPUs, and outputs that cannot be
+written (one line naming the path, exit 2, no half-written file)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli_env, write_scenario_file
+
+from hpo.cli import describe_plan, gpu_cell, main
+from hpo.launch import Slot
+
+OMP_TEMPLATE = """\
+import os
+from hpo.results import report
+
+print("OMP_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+report(val_error={{ x }}, test_error=0.5)
+"""
+
+WAIT_TEMPLATE = """\
+import pathlib, time
+from hpo.results import report
+
+while not pathlib.Path("{{ trial_dir }}/../release").exists():
+    time.sleep(0.05)
+report(val_error={{ x }}, test_error=0.5)
+"""
+
+
+@pytest.fixture
+def study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A finished sweep of two trials on this machine's CPU; its scenario file."""
+    monkeypatch.setenv("HPO_GPUS", "")
+    scenario = write_scenario_file(tmp_path / "study")
+    assert main(["run", str(scenario)]) == 0
+    return scenario
+
+
+def test_the_plan_shows_the_threads_the_scenario_env_gives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HPO_GPUS", "")
+    scenario = write_scenario_file(tmp_path, template_text=OMP_TEMPLATE, env={"OMP_NUM_THREADS": 13},
+                                   search={"trials": 1})
+    assert main(["run", str(scenario)]) == 0
+    out = capsys.readouterr().out
+    assert "done before this run; 1 slot: 1 CPU process of 13 threads\n" in out
+    assert "trial 0 started on slot 0 (1 CPU process of 13 threads)" in out
+    assert "OMP_NUM_THREADS 13\n" in (tmp_path / "runs" / "demo" / "trial-0000" / "trial.log").read_text()
+    assert main(["validate", str(scenario)]) == 0
+    assert "1 slot: 1 CPU process of 13 threads\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("gpus_per_trial", "parallel", "said"), [
+    (0.5, 10, ("4 slots (resources.parallel 10 capped to 4: 2 GPUs, 2 trials per GPU): "
+               "1 process on 1/2 of GPU 0; 1 process on 1/2 of GPU 1")),
+    (1, 3, ("2 slots (resources.parallel 3 capped to 2: 2 GPUs, 1 GPU per trial): 1 process on GPU 0; "
+            "1 process on GPU 1")),
+    (0.5, 4, "4 slots: 1 process on 1/2 of GPU 0; 1 process on 1/2 of GPU 1"),
+    (1, "auto", "2 slots: 1 process on GPU 0; 1 process on GPU 1"),
+])
+def test_the_plan_says_once_when_the_gpus_cap_parallel(gpus_per_trial: float, parallel: Any, said: str,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HPO_GPUS", "0,1")
+    scenario = write_scenario_file(tmp_path, resources={"parallel": parallel, "gpus_per_trial": gpus_per_trial})
+    assert main(["validate", str(scenario)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"ok: demo: 2 parameters, method monte_carlo, 2 trials, {said}"
+
+
+def test_a_worker_given_its_slots_or_a_smaller_parallel_is_not_capped() -> None:
+    slots = (Slot(0, (0,), 1, 1, 2), Slot(1, (1,), 1, 1, 2))
+    assert describe_plan(slots) == "2 slots: 1 process on 1/2 of GPU 0; 1 process on 1/2 of GPU 1"
+    assert describe_plan(slots, parallel=(2, "resources.parallel")) == describe_plan(slots)
+    assert describe_plan(slots, parallel=("auto", "--parallel")) == describe_plan(slots)
+    assert describe_plan(slots, parallel=(8, "--parallel")).startswith(
+        "2 slots (--parallel 8 capped to 2: 2 GPUs, 2 trials per GPU): ")
+
+
+@pytest.mark.parametrize(("gpus", "share", "cell"), [("1", 2, "1 (1/2)"), ("0", 4, "0 (1/4)"), ("0,1", 1, "0,1"),
+                                                     ("3", 1, "3"), ("", 2, "")])
+def test_the_gpu_cell_names_the_share(gpus: str, share: int, cell: str) -> None:
+    assert gpu_cell(gpus, share) == cell
+
+
+def _status(scenario: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """The lines of ``hpo status``; none before the sweep made its study."""
+    code = main(["status", str(scenario)])
+    out = capsys.readouterr().out
+    return out.splitlines() if code == 0 else []
+
+
+def test_status_shows_gpu_shares_and_the_seconds_of_running_trials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HPO_GPUS", "1")
+    scenario = write_scenario_file(tmp_path, template_text=WAIT_TEMPLATE,
+                                   resources={"parallel": 2, "gpus_per_trial": 0.5})
+    sweep = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(scenario)], env={**cli_env(), "HPO_GPUS": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            lines = [line for line in _status(scenario, capsys) if "RUNNING" in line]
+            if len(lines) == 2 and all("1 (1/2)" in line for line in lines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(lines) == 2, lines
+        for line in lines:
+            assert re.search(r"│ \d+\.\d \(running\) +│ 1 \(1/2\) +│", line), line
+        time.sleep(1.1)
+        again = [line for line in _status(scenario, capsys) if "RUNNING" in line]
+        first, later = (float(re.search(r"(\d+\.\d) \(running\)", line)[1]) for line in (lines[0], again[0]))
+        assert later >= first + 1.0
+    finally:
+        (tmp_path / "runs" / "demo").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runs" / "demo" / "release").touch()
+        _, errors = sweep.communicate(timeout=60)
+    assert sweep.returncode == 0, errors
+    done = [line for line in _status(scenario, capsys) if "COMPLETE" in line]
+    assert len(done) == 2 and all("1 (1/2)" in line and "(running)" not in line for line in done)
+
+
+def test_export_to_a_full_disk_is_one_line_and_exit_2(study: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", str(study), "-o", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "error: -o: cannot write /dev/full: No space left on device\n")
+
+
+def test_export_to_a_full_stdout_is_one_line_and_exit_2(study: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    full = open("/dev/full", "w")  # noqa: SIM115 (its close fails too: what is left in its buffer)
+    monkeypatch.setattr(sys, "stdout", full)
+    assert main(["export", str(study)]) == 2
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):
+        full.close()
+    assert capsys.readouterr().err == "error: -o: cannot write the CSV to stdout: No space left on device\n"
+
+
+def test_an_export_that_fails_midway_leaves_the_last_file_whole(study: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = study.parent / "results.csv"
+    assert main(["export", str(study), "-o", str(out)]) == 0
+    before = out.read_text()
+    out.chmod(0o640)
+
+    def disk_full_midway(ctx: Any, handle: io.TextIOBase, rows: Any = None) -> int:
+        handle.write("number,state,x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("hpo.cli.export_rows", disk_full_midway)
+    capsys.readouterr()
+    assert main(["export", str(study), "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"error: -o: cannot write {out}: No space left on device\n")
+    assert out.read_text() == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["results.csv", "runs", "scenario.yaml", "train.py.j2"]
+    monkeypatch.undo()
+    assert main(["export", str(study), "-o", str(out)]) == 0
+    assert out.read_text() == before and out.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_copy_of_the_best_trial_that_fails_midway_leaves_nothing(study: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def disk_full_midway(source: Path, target: Path) -> None:
+        Path(target).mkdir()
+        (Path(target) / "train.py").write_text("x =")
+        raise shutil.Error([(str(Path(source) / "trial.log"), str(Path(target) / "trial.log"),
+                             f"[Errno 28] No space left on device: '{target}/trial.log'")])
+
+    monkeypatch.setattr(shutil, "copytree", disk_full_midway)
+    target = study.parent / "best" / "copy"
+    assert main(["best", str(study), "--copy-to", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: --copy-to: cannot copy \S+/trial-000\d to {target}: No space left on device\n", err)
+    assert list(target.parent.iterdir()) == []
+    monkeypatch.undo()
+    assert main(["best", str(study), "--copy-to", str(target)]) == 0
+    assert (target / "train.py").read_text().startswith("from hpo.results import report")
+    assert sorted(p.name for p in target.parent.iterdir()) == ["copy"]
