@@ -53,7 +53,7 @@ from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
 from hpo.executor import TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
-from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, plural
+from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, write_files
 from hpo.results import Metrics
@@ -379,7 +379,7 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
         asked = courier.end_request() or ("interrupted" if stopping else None)
         if asked is not None:  # the sweep stops, or the worker closes, before it started: it does not start
             return TaskReport(_not_started(spec, asked), worker.address, gpus, shared, started=False)
-        slot = replace(spec.slot, gpus=gpus, threads=trial_threads(worker, options),
+        slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
                        share=demand.share if gpus else 1)
         if not shared:  # in the trial's own folder, the sweep has written them already
             write_files(folder, spec.files)

@@ -288,6 +288,19 @@ def test_trials_run_inside_the_gpu_worker_on_its_own_gpus(cluster: LocalDask, wr
                 assert a[2] != b[2], "two trials ran on one GPU at once"
 
 
+def test_the_scenario_env_sets_a_dask_trials_threads_and_its_log_says_so(own_cluster: LocalDask,
+                                                                        write_scenario: WriteScenario,
+                                                                        tmp_path: Path) -> None:
+    path = sweep_scenario(write_scenario, tmp_path, trials=1, sleep=0.0)
+    path.write_text(path.read_text() + "env:\n  OMP_NUM_THREADS: 3\n")
+    sweep = run_sweep(path, open_cluster(Cluster(address=own_cluster.address), load_scenario(path).resources,
+                                         timeout=10))
+    [row] = sweep.store.rows()
+    assert row.outcome == Outcome.COMPLETE
+    assert where(Path(row.folder))["threads"] == "3"
+    assert "CPU process of 3 threads" in Path(row.folder, LOG_FILE).read_text()
+
+
 def test_fractions_share_a_gpu_and_gpus_per_trial_takes_whole_ones() -> None:
     pool = GpuPool((0, 1))
     assert [pool.take(1, 2) for _ in range(4)] == [(0,), (1,), (0,), (1,)]
