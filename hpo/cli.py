@@ -338,6 +338,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from hpo import designs
     from hpo.progress import format_params, summary_line, tally
+    from hpo.rows import gpu_cell
 
     ctx = _context(args)
     scenario = ctx.scenario
@@ -377,12 +378,6 @@ def _running_since(ctx: Context, rows: Sequence[Any]) -> dict[int, float]:
     store = _store(ctx)
     starts = {number: store.trial(number).datetime_start for number in numbers}
     return {number: start.timestamp() for number, start in starts.items() if start is not None}
-
-
-def gpu_cell(gpus: str, share: int) -> str:
-    """The GPUs a trial ran on (``0,1``), with the fraction of the GPU it had where
-    ``share`` trials share each (``1 (1/2)``, as the plan says ``1/2 of GPU 1``)."""
-    return f"{gpus} (1/{share})" if gpus and share > 1 else gpus
 
 
 def _reason(row: Any) -> str:

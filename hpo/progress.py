@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from hpo.outcome import Outcome, TrialResult
-from hpo.rows import TrialRow, best_row, repeat_of, retried, standing
+from hpo.rows import TrialRow, best_row, gpu_cell, repeat_of, retried, standing
 
 if TYPE_CHECKING:
     from hpo.engine import Observer, TrialEnd, TrialStart
@@ -249,7 +249,8 @@ class ProgressView:
         now = time.monotonic()
         for row in t.running:
             elapsed = f"{now - since[row.number]:.0f} s" if row.number in since else ""
-            table.add_row(str(row.number), "" if row.slot is None else str(row.slot), row.gpus or "-", elapsed,
+            table.add_row(str(row.number), "" if row.slot is None else str(row.slot),
+                          gpu_cell(row.gpus, self._store.scenario.resources.share) or "-", elapsed,
                           format_params(row.params))
         parts: list[Any] = [head, best, table]
         if t.failures:
@@ -267,6 +268,7 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
     """
     from hpo.engine import TrialEnd, TrialStart
     from hpo.recovery import queued_again, run_info
+    share = store.scenario.resources.share
     started: set[int] = set()
     ended: set[int] = {row.number for row in store.rows() if row.outcome.ended}
     while True:
@@ -277,7 +279,8 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
             if row.outcome is Outcome.RUNNING and row.number not in started:
                 started.add(row.number)
                 observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot,
-                                            f"GPUs {row.gpus}" if row.gpus else "", Path(row.folder), repeat_of(row)))
+                                            f"GPUs {gpu_cell(row.gpus, share)}" if row.gpus else "", Path(row.folder),
+                                            repeat_of(row)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
                 result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)

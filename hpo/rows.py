@@ -112,3 +112,9 @@ def presented(raw: list[TrialRow], parameters: Mapping[str, Param]) -> list[Tria
         if original is not None and not raw[index].params:
             rows[index] = dataclasses.replace(row, params=original.params)
     return rows
+
+
+def gpu_cell(gpus: str, share: int) -> str:
+    """The GPUs a trial ran on (``0,1``), with the fraction of the GPU it had where
+    ``share`` trials share each (``1 (1/2)``, as the plan says ``1/2 of GPU 1``)."""
+    return f"{gpus} (1/{share})" if gpus and share > 1 else gpus

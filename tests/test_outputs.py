@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from conftest import cli_env, write_scenario_file
 
-from hpo.cli import describe_plan, gpu_cell, main
+from hpo.cli import describe_plan, main
 from hpo.launch import Slot
+from hpo.rows import gpu_cell
 
 OMP_TEMPLATE = """\
 import os

@@ -109,11 +109,12 @@ def test_each_end_is_one_line_that_says_who_recorded_what(end: TrialEnd, line: s
 class Store:
     """Just what the view reads: a scenario and the study's rows."""
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, rows: tuple[TrialRow, ...] = ()) -> None:
         self.scenario = scenario
+        self._rows = list(rows)
 
     def rows(self) -> list[TrialRow]:
-        return []
+        return self._rows
 
 
 def test_a_re_run_says_whose_configuration_it_runs(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -125,3 +126,13 @@ def test_a_re_run_says_whose_configuration_it_runs(tmp_path: Path, write_scenari
     assert out.getvalue().splitlines() == [
         "trial 4 started on slot 0 (1 CPU process): x=0.5; runs trial 1's configuration again",
         END_LINES[1].values[1]]
+
+
+def test_the_live_view_gives_a_running_trials_share_of_its_gpu(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    running = TrialRow(number=3, outcome=Outcome.RUNNING, params={"x": 0.5}, value=None, held_out={},
+                       duration_s=None, folder="trial-3", reason="", slot=1, gpus="1")
+    scenario = load_scenario(write_scenario(tmp_path, resources={"gpus_per_trial": 0.5, "parallel": 2}))
+    view = ProgressView(Store(scenario, (running,)), 4, "2 slots", Console(file=io.StringIO()))  # type: ignore[arg-type]
+    out = io.StringIO()
+    Console(file=out, width=200).print(view._render())
+    assert any(line.split()[:3] == ["3", "1", "1"] and "(1/2)" in line for line in out.getvalue().splitlines())
