@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -285,15 +286,21 @@ def optuna_url(url: str) -> str:
             f"storage = JournalStorage(JournalFileBackend({str(journal)!r}))")
 
 
+LOCK_WAIT_NOTED_S = 10.0  # a wait this long for the file lock is said, with its holder
+
+
 @contextlib.contextmanager
-def ask_lock(url: str) -> Iterator[Callable[[], bool]]:
+def ask_lock(url: str, on_wait: Callable[[str], None] | None = None) -> Iterator[Callable[[], bool]]:
     """Hold the study-wide lock under which the budget is checked and a trial is asked;
     yields ``held()``, whether the lock is still this process's.
 
     SQLite and journal files use a lock file beside them (all processes on the machine; it
-    is never lost). PostgreSQL and MySQL use a session's advisory lock on the server (all
-    machines): when the server ends that session, in a restart or with its connection, the
-    lock is gone and ``held()`` is False. Re-entrant within a thread.
+    is never lost), which names the process that holds it; a wait of over
+    :data:`LOCK_WAIT_NOTED_S` is told to ``on_wait`` once, naming that process (and saying
+    so where it is stopped, as SIGSTOP or Ctrl-Z leave it, holding the lock). PostgreSQL and
+    MySQL use a session's advisory lock on the server (all machines): when the server ends
+    that session, in a restart or with its connection, the lock is gone and ``held()`` is
+    False. Re-entrant within a thread.
     """
     with _THREAD_LOCK:
         local = local_path(url)
@@ -303,12 +310,50 @@ def ask_lock(url: str) -> Iterator[Callable[[], bool]]:
             return
         lock_path = local.with_name(local.name + ".hpo-lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with lock_path.open("a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        with lock_path.open("a+") as handle:
+            _take_file_lock(handle, lock_path, on_wait)
             try:
                 yield lambda: True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None] | None) -> None:
+    """Lock ``handle`` (blocking), telling ``on_wait`` of a long wait; then write this
+    process's id into the file, for whoever waits next."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        timer = None
+        if on_wait is not None:
+            timer = threading.Timer(LOCK_WAIT_NOTED_S, lambda: on_wait(_lock_holder(lock_path) + "; waiting for it"))
+            timer.daemon = True
+            timer.start()
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        finally:
+            if timer is not None:
+                timer.cancel()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+
+
+def _lock_holder(lock_path: Path) -> str:
+    """Who holds the lock at ``lock_path``, in words."""
+    text = lock_path.read_text().strip()
+    if not text.isdigit():
+        return f"the study's ask lock {lock_path} has been held for {LOCK_WAIT_NOTED_S:.0f} s"
+    import psutil  # imported when first needed: most commands never wait
+
+    pid = int(text)
+    said = f"the study's ask lock has been held for {LOCK_WAIT_NOTED_S:.0f} s by process {pid} on this machine"
+    try:
+        stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return said
+    return said + (f", which is stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` resumes it" if stopped else "")
 
 
 @contextlib.contextmanager

@@ -148,7 +148,8 @@ class StudyStore:
         url: the storage URL.
         create: create the study if missing (``hpo run``); else a missing study is :class:`NoStudy`.
         pruner: what ``report`` uses (a sweep's sampler comes with :meth:`use_sampler`).
-        on_outage: receives one-line messages when the store stops and starts answering.
+        on_outage: receives one-line messages when the store stops and starts answering, and when
+            the ask lock is long in coming (:func:`hpo.storage.ask_lock`).
         reached: the store has answered this sweep before (a worker that ``hpo run --workers``
             started), so its first contact is skipped: a refused connection is an outage.
     """
@@ -167,7 +168,7 @@ class StudyStore:
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise NoStudy(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
-        def open_study() -> None:  # creating the tables of a new store must not race another process
+        def open_study() -> None:
             self._storage = self.call(open_storage, url, create)
             if create:
                 self.study = self.call(optuna.create_study, storage=self._storage, study_name=scenario.name,
@@ -176,7 +177,10 @@ class StudyStore:
 
         if not reached:
             reach(url, create)  # bad input fails here; past it, what fails is an outage and is retried
-        self.locked(open_study)
+        if create:  # creating the tables of a new store must not race another process
+            self.locked(open_study)
+        else:  # a reader does not wait for a worker that holds the lock (one stopped with SIGSTOP holds it on)
+            open_study()
         if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
@@ -203,7 +207,7 @@ class StudyStore:
         lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
         claimed under it are appended to ``claimed``."""
         def enter() -> Any:
-            context = ask_lock(self.url)
+            context = ask_lock(self.url, self._on_outage)
             return context, context.__enter__()
 
         context, held = self.call(enter)

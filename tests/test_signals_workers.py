@@ -2,6 +2,7 @@
 of stops, and a worker paused past its heartbeat."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import cli_env
 from optuna.trial import TrialState
@@ -69,6 +71,27 @@ def started_trial(path: Path) -> tuple[int, int] | None:
     return None
 
 
+def freeze_without_the_ask_lock(pid: int, lock_path: Path) -> None:
+    """SIGSTOP ``pid`` at a moment it does not hold the study's ask lock (frozen with it, it
+    would keep every other worker from judging its trial: a wait the sweep says, see
+    test_lock_holder)."""
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            time.sleep(0.01)
+        with lock_path.open("a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                handle.seek(0)
+                if handle.read().strip() != str(pid):
+                    return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+
+
 def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_path: Path) -> None:
     """kill -STOP a worker while its trial runs, until the other worker judges the trial LOST,
     then kill -CONT: the paused worker announces the LOST record, not its own COMPLETE, its
@@ -83,7 +106,7 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
         assert time.monotonic() < deadline and run.poll() is None, run.communicate()
         time.sleep(0.05)
     number, pid = found
-    os.kill(pid, signal.SIGSTOP)
+    freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
     try:
         while not any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path)):
             assert time.monotonic() < deadline + 60
