@@ -468,6 +468,7 @@ class _Control:
         self._claim = claim
         self._slot = slot
         self._pruning = sweep.config.scenario.search.pruner != "none" and claim.prunable
+        self._pruned = False
 
     def _running(self) -> _Running | None:
         with self._sweep._lock:
@@ -490,11 +491,17 @@ class _Control:
         fault_point("started", claim.number)
 
     def intermediate(self, step: int, value: float) -> bool:
-        """Report ``value`` at ``step`` (a step's first value is kept, as Optuna keeps it) and
-        ask the pruner."""
-        call = self._sweep.store.call
-        call(self._claim.trial.report, value, step)
-        return self._pruning and bool(call(self._claim.trial.should_prune))
+        """Report ``value`` at ``step`` and ask the pruner; once it said prune, report nothing
+        more and answer True."""
+        self.record(step, value)
+        self._pruned = self._pruned or (self._pruning and bool(self._sweep.store.call(self._claim.trial.should_prune)))
+        return self._pruned
+
+    def record(self, step: int, value: float) -> None:
+        """Report ``value`` at ``step`` (a step's first value is kept, as Optuna keeps it)
+        without asking the pruner; nothing once it said prune."""
+        if not self._pruned:
+            self._sweep.store.call(self._claim.trial.report, value, step)
 
     def end_request(self) -> str | None:
         if self._sweep._stopping.is_set():

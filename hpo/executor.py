@@ -34,11 +34,12 @@ from typing import Any, Protocol
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
-from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, last_error_line, out_of_gpu_memory
+from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, StepError, last_error_line, out_of_gpu_memory
 from hpo.scenario import Objective
 
 TAIL_LINES = 200
 PAUSE_NOTED_S = 1.0  # a process found ended this long after it was last seen running: the worker was paused
+EARLY_ENDS = ("timeout", "pruned", "stopped", "interrupted")  # what hpo ended before the trial's own end
 _TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 
 
@@ -79,7 +80,13 @@ class TrialControl(Protocol):
         """The trial's process started, on these GPU ids (empty on CPU)."""
 
     def intermediate(self, step: int, value: float) -> bool:
-        """An intermediate objective value at ``step``; True when the trial should be pruned."""
+        """An intermediate objective value at ``step``; True when the trial should be pruned
+        (its process is ended then, and no later value is reported)."""
+
+    def record(self, step: int, value: float) -> None:
+        """An intermediate objective value at ``step`` that the pruner need not judge: a later
+        one already came, or the trial's process has ended. Optional: a control without it
+        gets :meth:`intermediate`, its answer ignored."""
 
     def end_request(self) -> str | None:
         """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
@@ -108,37 +115,57 @@ class LocalExecutor:
 
 
 def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResult:
-    """Write ``spec``'s files into ``folder``, run it there, judge it, write ``result.json``."""
+    """Write ``spec``'s files into ``folder``, run it there, judge it, write ``result.json``.
+
+    Every output line is parsed before the trial is judged. Of the objective's intermediate
+    values that wait together, all are reported and the pruner judges the last; once the
+    process has ended none is judged; once the pruner said prune none is reported.
+    """
     write_files(folder, spec.files)
     objective = spec.objective
     parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    prune = False
+    record = getattr(control, "record", control.intermediate)
+    pruned_at: int | None = None
 
-    def on_line(line: str) -> None:
-        nonlocal prune
-        tail.append(line.rstrip("\n"))
-        reported = parser.feed(line)
-        if reported is not None and reported.step is not None and objective.metric in reported.values:
-            prune = control.intermediate(reported.step, reported.values[objective.metric]) or prune
+    def on_lines(lines: list[str], running: bool) -> list[str]:
+        nonlocal pruned_at
+        values, notes = [], []
+        for line in lines:
+            tail.append(line.rstrip("\n"))
+            try:
+                reported = parser.feed(line)
+            except StepError as exc:
+                notes.append(f"could not handle an output line: {exc}")
+                continue
+            if reported is not None and reported.step is not None and objective.metric in reported.values:
+                values.append((reported.step, reported.values[objective.metric]))
+        if pruned_at is not None or not values:
+            return notes
+        judged = values.pop() if running else None
+        for step, value in values:
+            record(step, value)
+        if judged is not None and control.intermediate(*judged):
+            pruned_at = judged[0]
+        return notes
 
     def should_end() -> str | None:
-        return control.end_request() or ("pruned" if prune else None)
+        return control.end_request() or ("pruned" if pruned_at is not None else None)
 
     env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
     control.started(spec.slot.gpus)
     watch = _Watch()
-    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_line, watch(should_end))
+    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
     exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
         watch = _Watch(watch.paused_s)
         post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
-                           on_line, watch(control.end_request))
+                           on_lines, watch(control.end_request))
         exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
         if exit_code != 0 and ended_by is None:
             ended_by = _with_line(f"post_process exit code {exit_code}", tail, or_last_line=True)
-    result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout)
+    result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at)
     return save_result(folder, spec.number, result, watch.paused_s)
 
 
@@ -174,8 +201,13 @@ def _with_line(cause: str, tail: Sequence[str], or_last_line: bool = False) -> s
 
 
 def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str | None,
-          tail: Sequence[str], duration_s: float, timeout: float | None) -> TrialResult:
+          tail: Sequence[str], duration_s: float, timeout: float | None,
+          pruned_at: int | None = None) -> TrialResult:
     """Decide how a finished trial ended (the one place where outcomes are judged).
+
+    Held-out metrics are final results: a trial that ended early (pruned, stopped, timed out,
+    interrupted) trained only in part and records none, as it records no objective. The
+    result's step is an objective step: where the pruner decided, else the last reported.
 
     Args:
         metrics: what its output reported.
@@ -187,10 +219,12 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         tail: its last output lines, for the reason's error line.
         duration_s: seconds it ran (with its post_process).
         timeout: the time limit it had (for the command and its post_process together).
+        pruned_at: the step whose value the pruner judged when it said prune, if known.
     """
-    kept = {name: metrics.final[name] for name in objective.held_out
-            if name in metrics.final and math.isfinite(metrics.final[name])}
-    step = metrics.intermediate[-1][0] if metrics.intermediate else None
+    kept = {} if ended_by in EARLY_ENDS else {name: metrics.final[name] for name in objective.held_out
+                             if name in metrics.final and math.isfinite(metrics.final[name])}
+    steps = [step for step, values in metrics.intermediate if objective.metric in values]
+    step = pruned_at if pruned_at is not None and ended_by == "pruned" else (steps[-1] if steps else None)
 
     def ended(outcome: Outcome, reason: str, value: float | None = None) -> TrialResult:
         return TrialResult(outcome, value, kept, duration_s, reason, step)

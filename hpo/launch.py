@@ -5,7 +5,8 @@ Each of ``resources.parallel`` slots owns ``gpus_per_trial`` GPUs, or a share of
 divided among all the slots of the machine, whichever worker process owns them. A
 trial's command is an argument list, never a shell string; under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
-runs in its own session; on timeout, stop or interrupt the whole tree is killed. Every
+runs in its own session; its output is logged as it comes and handed on in order, every
+line of it before the run returns; on timeout, stop or interrupt the whole tree is killed. Every
 process carries ``HPO_TRIAL_TOKEN``: when the trial's process ends, those that left its tree
 are killed by it, as are orphans of a killed sweep.
 """
@@ -15,6 +16,7 @@ import ctypes
 import difflib
 import itertools
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -357,9 +359,17 @@ def kill_by_token(token: str) -> int:
 
 
 def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path: Path,
-                timeout: float | None, on_line: Callable[[str], None],
+                timeout: float | None, on_lines: Callable[[list[str], bool], Sequence[str] | None],
                 should_end: Callable[[], str | None]) -> ProcessResult:
-    """Run ``argv`` in ``cwd``; stream its output to ``log_path`` and ``on_line``.
+    """Run ``argv`` in ``cwd``; stream its output to ``log_path`` and ``on_lines``.
+
+    A reader thread only writes each output line to the log and queues it; a second thread
+    passes the queued lines, in order, to ``on_lines(lines, running)``: the lines that came
+    since its last call, and whether the process may still run (False for those left over
+    when it ended); what it returns are notes, written to the log as ``hpo: NOTE`` lines (a
+    line it could not use). Every line that reached the log has been passed when this returns,
+    however many were left over; output that a process which left the tree keeps sending
+    into the pipe is read for ``KILL_GRACE_S`` after the end, then dropped.
 
     ``should_end`` is polled every ``POLL_S`` while it runs: a non-None answer (e.g.
     ``"stopped"``) ends the process tree and becomes ``ended_by``, as does ``"timeout"``
@@ -376,8 +386,12 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         except OSError as exc:
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)
-        reader = threading.Thread(target=_pump, args=(proc, log, on_line), daemon=True)
+        output = _Output(log)
+        ended = threading.Event()
+        reader = threading.Thread(target=_pump, args=(proc, output), daemon=True)
+        handler = threading.Thread(target=_deliver, args=(output, on_lines, ended), daemon=True)
         reader.start()
+        handler.start()
         ended_by: str | None = None
         try:
             while ended_by is None and not _exits_within(proc, POLL_S):
@@ -386,6 +400,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                 else:
                     ended_by = should_end()
         finally:
+            ended.set()
             if proc.poll() is None:
                 kill_tree(proc.pid, child=proc)
             else:
@@ -394,6 +409,8 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
             if TOKEN_ENV in env:
                 kill_by_token(env[TOKEN_ENV])
             reader.join(timeout=KILL_GRACE_S)
+            output.close()
+            handler.join()
     return ProcessResult(proc.returncode, ended_by, duration, proc.pid)
 
 
@@ -406,15 +423,61 @@ def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
     return True
 
 
-def _pump(proc: subprocess.Popen[bytes], log: Any, on_line: Callable[[str], None]) -> None:
-    """Copy ``proc``'s output to ``log`` and ``on_line`` until it ends or ``log`` is closed."""
+class _Output:
+    """A process's output on its way: each line written to the log at once and queued for
+    :func:`_deliver`, until :meth:`close` (a None in the queue marks the end)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._open = True
+
+    def put(self, raw: bytes) -> bool:
+        """Log and queue one line; False once closed (the line is dropped)."""
+        with self._lock:
+            if self._open:
+                self.log.write(raw)
+                self.lines.put(raw.decode("utf-8", errors="replace"))
+            return self._open
+
+    def note(self, text: str) -> None:
+        """Write one of hpo's own lines to the log."""
+        with self._lock:
+            self.log.write(text.encode())
+
+    def close(self) -> None:
+        """Take no more lines."""
+        with self._lock:
+            if self._open:
+                self._open = False
+                self.lines.put(None)
+
+
+def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
+    """Copy ``proc``'s output to ``output`` until the pipe ends or ``output`` is closed."""
     assert proc.stdout is not None
-    try:
-        for raw in iter(proc.stdout.readline, b""):
-            log.write(raw)
+    for raw in iter(proc.stdout.readline, b""):
+        if not output.put(raw):
+            return
+    output.close()
+
+
+def _deliver(output: _Output, on_lines: Callable[[list[str], bool], Sequence[str] | None],
+             ended: threading.Event) -> None:
+    """Pass ``output``'s queued lines to ``on_lines`` in batches (all that wait), until its
+    end, and write the notes it returns to the log."""
+    while True:
+        batch = [output.lines.get()]
+        while batch[-1] is not None and not output.lines.empty():
+            batch.append(output.lines.get())
+        lines = [line for line in batch if line is not None]
+        if lines:
             try:
-                on_line(raw.decode("utf-8", errors="replace"))
+                notes = on_lines(lines, not ended.is_set()) or ()
             except Exception as exc:  # a bad callback must not stop the log
-                log.write(f"hpo: could not handle an output line: {exc}\n".encode())
-    except ValueError:  # run_process closed the log under a straggler that kept the pipe open
-        return
+                notes = [f"could not handle output lines: {exc}"]
+            for note in notes:
+                output.note(f"hpo: {note}\n")
+        if batch[-1] is None:
+            return

@@ -63,7 +63,8 @@ class TrialResult:
         held_out: the held-out metrics that were reported (never seen by the optimizer).
         duration_s: seconds the trial's processes ran.
         reason: why it did not complete (``<cause>: <last error line>``); empty when COMPLETE.
-        step: the last step reported (pruned and stopped trials), if any.
+        step: a step of the objective: where the pruner decided (pruned trials), else the last one
+            reported, if any.
     """
 
     outcome: Outcome

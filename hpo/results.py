@@ -15,12 +15,18 @@ carriage return on, past a leading tqdm-style bar (``epochs:  67%|██▋ | 2/
 A line whose metrics include ``step`` is an intermediate report (one per epoch, say) that a
 pruner may act on; any other line reports final values, and the last value of a key wins. A
 metric reported only in intermediate reports takes its last intermediate value as final value.
+A step is a whole number from 0 to :data:`LARGEST_STEP` (``2.0`` is step 2); a line with any other
+step (``1.5``, ``-1``, ``NaN``, ``"2"``) is ignored and :meth:`MetricParser.feed` raises
+:class:`StepError` saying so (the trial's log gets the message), never rounded onto a step
+that another report may already hold.
 
 Scripts that cannot be edited are read with ``patterns``, a regular expression with one
 group per metric (``'Average loss: ([0-9.]+)'``), searched in every whole line (progress
 output included); the last match wins. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets
-the current step: each match of the objective's pattern after it is also an intermediate
-value at that step.
+the current step: each objective value after it, a match of the objective's pattern or a
+line in a built-in format without ``step``, is also an intermediate value at that step. A
+step match that is not a step as above is refused the same way and leaves no current step
+until the next step match.
 
 :func:`last_error_line` and :func:`out_of_gpu_memory` read a failed trial's last output
 lines for the line that says why it failed.
@@ -29,8 +35,8 @@ This module must stay cheap to import: trial scripts import :func:`report` from 
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -45,6 +51,8 @@ SMAC_STATUSES = frozenset({"SAT", "SUCCESS", "UNSAT", "TIMEOUT", "CRASHED", "ABO
 RESERVED_ATTRS = frozenset({"outcome", "reason", "duration_s", "folder", "worker", "slot", "gpus", "rerun_of",
                             "retry_of", "requeue_of", "retries", "design_index", "lost_count"})
 """User attributes that hpo writes on every trial; no held-out metric may take one of these names."""
+LARGEST_STEP = 2**31 - 1
+"""The largest step a report may carry (Optuna's SQL storages keep a step in a 32-bit integer)."""
 ERROR_LINE_CHARS = 200
 _NAME_CHAR = r"[\w.\-/]"
 # A name begins where no name character precedes it, and a tab pair's name ends in a name
@@ -61,9 +69,11 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     Call with ``step`` for a per-epoch (intermediate) report and without it for the final
     values. Only the process of global rank 0 prints, so DDP scripts may call it on every
     rank. Values must be numbers; the line is flushed at once so the sweep sees it live.
+    A step that is not a whole number is printed as it is, and the parser refuses the line.
 
     Args:
-        step: the step (epoch) of an intermediate report; None for final values.
+        step: the step (epoch) of an intermediate report, a whole number from 0 to
+            :data:`LARGEST_STEP`; None for final values.
         file: where to print (default: stdout).
         metrics: the metric values by name.
     """
@@ -71,7 +81,7 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
         return
     payload: dict[str, float | int] = {}
     if step is not None:
-        payload[STEP_KEY] = int(step)
+        payload[STEP_KEY] = int(step) if float(step).is_integer() else float(step)
     payload.update({name: float(value) for name, value in metrics.items()})
     print(json.dumps(payload), file=file or sys.stdout, flush=True)
 
@@ -102,6 +112,18 @@ class Metrics:
 
 
 _Parsed = tuple[dict[str, float], dict[str, str]]
+
+
+class StepError(ValueError):
+    """An output line's step is not a whole number from 0 to :data:`LARGEST_STEP`; the line was ignored."""
+
+
+def _whole_step(value: float | None, shown: str, where: str) -> int:
+    """``value`` as a step; :class:`StepError` naming ``shown`` (the step as printed) and
+    ``where`` it came from when it is not a whole number from 0 to :data:`LARGEST_STEP`."""
+    if value is not None and value.is_integer() and 0 <= value <= LARGEST_STEP:
+        return int(value)
+    raise StepError(f"{where} {shown} is not a whole number from 0 to {LARGEST_STEP}; the line is ignored")
 
 
 def _number(text: str) -> float | None:
@@ -207,9 +229,9 @@ class MetricParser:
 
     Args:
         quality_name: the objective metric: a SMAC result line's quality is stored under it,
-            and its pattern matches after a step match are intermediate values.
+            and its values after a step match are intermediate values.
         patterns: regular expressions with one group, by metric name (``objective.patterns``).
-        step_pattern: a regular expression whose one group is the current step (an integer).
+        step_pattern: a regular expression whose one group is the current step (a whole number).
     """
 
     def __init__(self, quality_name: str, patterns: Mapping[str, str] | None = None,
@@ -230,8 +252,13 @@ class MetricParser:
         """Parse one line; return what it reported, or None for an ordinary log line.
 
         The returned line has a ``step`` when it is an intermediate report: a line with a
-        ``step`` key, or an objective pattern match after a step pattern match (also a final
-        value).
+        ``step`` key, or an objective value (a pattern match or a built-in format's) after a
+        step pattern match (also a final value).
+
+        Raises:
+            StepError: the line's step (its ``step`` key or the step pattern's match) is not a
+                whole number from 0 to :data:`LARGEST_STEP`; the line is ignored, and a refused step
+                match leaves no current step.
         """
         text = line.strip()
         if not text:
@@ -251,23 +278,29 @@ class MetricParser:
         invalid.update(unmatched)
         if not values and not invalid:
             return None
-        reported_step = values.pop(STEP_KEY, math.nan)
-        if math.isfinite(reported_step):
-            step = int(reported_step)
+        if STEP_KEY in values or STEP_KEY in invalid:
+            reported = values.pop(STEP_KEY, None)
+            step = _whole_step(reported, invalid.pop(STEP_KEY) if reported is None else f"{reported:g}", STEP_KEY)
             self._intermediate.append((step, dict(values)))
             _record(self._last_step, self._last_step_invalid, values, invalid)
             return MetricLine(values=values, step=step)
         _record(self._final, self._invalid, values, invalid)
-        if self._step is not None and self._quality_name in matched:
+        if self._step is not None and self._quality_name in values:
             self._intermediate.append((self._step, dict(values)))
             return MetricLine(values=values, step=self._step)
         return MetricLine(values=values)
 
     def _match_step(self, text: str) -> None:
+        """Set the current step from a step pattern match in ``text``; :class:`StepError` (and
+        no current step) where the match is not a step."""
         match = self._step_pattern.search(text) if self._step_pattern else None
-        step = _number(match.group(1)) if match else None
-        if step is not None and step.is_integer():
-            self._step = int(step)
+        if match is None or match.group(1) is None:
+            return
+        try:
+            self._step = _whole_step(_number(match.group(1)), match.group(1), "step_pattern matched step")
+        except StepError:
+            self._step = None
+            raise
 
     def _match_patterns(self, text: str) -> _Parsed:
         found = []
@@ -294,7 +327,8 @@ class MetricParser:
 
 def parse_text(text: str, quality_name: str, patterns: Mapping[str, str] | None = None,
                step_pattern: str | None = None) -> Metrics:
-    """Parse a whole output at once: a finished trial's log or a post-processing command's output.
+    """Parse a whole output at once: a finished trial's log or a post-processing command's output
+    (a line with a refused step is skipped, see :meth:`MetricParser.feed`).
 
     Args:
         text: the output.
@@ -302,7 +336,8 @@ def parse_text(text: str, quality_name: str, patterns: Mapping[str, str] | None 
     """
     parser = MetricParser(quality_name, patterns, step_pattern)
     for line in text.splitlines():
-        parser.feed(line)
+        with contextlib.suppress(StepError):
+            parser.feed(line)
     return parser.metrics()
 
 

@@ -49,13 +49,25 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
     return optuna.samplers.RandomSampler(seed=seed)
 
 
+HYPERBAND_MAX_STEP = 81
+"""Hyperband's maximum resource where ``search.max_step`` is not given (3**4: five brackets)."""
+
+
 def make_pruner(scenario: Scenario) -> optuna.pruners.BasePruner:
-    """The pruner of ``search.pruner`` (``none`` never prunes)."""
-    name = scenario.search.pruner
-    if name == "median":
+    """The pruner of ``search.pruner`` (``none`` never prunes).
+
+    Successive halving and Hyperband count their rungs from step 1 (Optuna's ``min_resource``
+    1): a trial's value at a rung is its first report at or after the rung's step, whatever
+    else runs at the time. Optuna's ``"auto"`` waits for a first trial to complete, and a
+    trial already past step 1 by then would enter rung 0 with a late (better) value that
+    every later trial's step-1 value loses against. Hyperband's maximum resource is
+    ``search.max_step`` (default :data:`HYPERBAND_MAX_STEP`) for the same reason.
+    """
+    search = scenario.search
+    if search.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
-    if name == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner()
-    if name == "hyperband":
-        return optuna.pruners.HyperbandPruner()
+    if search.pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1)
+    if search.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=search.max_step or HYPERBAND_MAX_STEP)
     return optuna.pruners.NopPruner()

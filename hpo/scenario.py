@@ -140,7 +140,11 @@ def _check_numeric(p: Param) -> None:
 
 
 class Search(_Frozen):
-    """How trials are proposed and how many the study holds in total."""
+    """How trials are proposed, how many the study holds in total, and how trials are pruned.
+
+    ``max_step`` is the last step a trial reports (its epochs, reported once each): Hyperband's
+    maximum resource, which sets its brackets (see :func:`hpo.samplers.make_pruner`).
+    """
 
     method: Literal["monte_carlo", "csv", "grid", "sobol", "lhs", "tpe", "gp", "smac"] = "monte_carlo"
     trials: StrictInt | None = Field(default=None, ge=1)
@@ -148,9 +152,12 @@ class Search(_Frozen):
     csv: Path | None = None
     retry_failed: StrictInt = Field(default=0, ge=0)
     pruner: Literal["none", "median", "successive_halving", "hyperband"] = "none"
+    max_step: StrictInt | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> Search:
+        if self.max_step is not None and self.pruner != "hyperband":
+            raise ValueError(f"max_step: only pruner hyperband reads max_step, but pruner is {self.pruner}")
         if self.method == "csv" and self.csv is None:
             raise ValueError("csv: method csv needs the path of the design CSV")
         if self.method != "csv" and self.csv is not None:
@@ -165,9 +172,10 @@ class Objective(_Frozen):
 
     ``patterns`` read metrics from a script's own output: a regular expression with one group
     per metric (the objective or a held-out one), the last match wins. After a match of
-    ``step_pattern`` (one group: the step), each match of the objective's pattern is also an
-    intermediate value at that step. ``post_process`` is a command run in the trial folder
-    after the script; its output is parsed too (see :mod:`hpo.results`).
+    ``step_pattern`` (one group: the step, a whole number), each objective value, a match of
+    its pattern or a built-in format's line without ``step``, is also an intermediate value
+    at that step. ``post_process`` is a command run in the trial folder after the script; its
+    output is parsed too (see :mod:`hpo.results`).
     """
 
     metric: str = "val_error"

@@ -150,6 +150,8 @@ CASES = {
                                  args=("rerun", "{scenario}", "0", "--seed", "4294967296")),
     "dashboard-port-out-of-range": Case(("--port", "must be at most 65535, got 99999"),
                                         args=("dashboard", "{scenario}", "--port", "99999")),
+    "max-step-without-hyperband": Case(("search.max_step", "only pruner hyperband reads max_step"),
+                                       {"search": {"pruner": "successive_halving", "max_step": 9}}),
     "run-seed-negative": Case(("search.seed", "greater than or equal to 0"), {"search": {"seed": -1}},
                               args=("run", "{scenario}")),
     "run-env-name-with-equals": Case(("env", "'A=B' is not an environment variable name"), {"env": {"A=B": "1"}},

@@ -178,6 +178,59 @@ def test_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
     assert not trial_processes(tmp_path)
 
 
+def intermediate_values(path: Path) -> dict[int, dict[int, float]]:
+    """Each trial's intermediate values as Optuna holds them."""
+    import optuna
+
+    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{path.parent / 'runs' / 'sweep' / 'study.db'}")
+    return {trial.number: trial.intermediate_values for trial in study.trials}
+
+
+def test_a_trial_that_floods_its_output_with_steps_is_recorded_whole(tmp_path: Path) -> None:
+    """Its steps come far faster than the pruner answers, and it exits at once: every line is
+    still in trial.log, every step in Optuna, and its final values are the ones judged."""
+    template = textwrap.dedent("""\
+        import json
+        x = {{ x }}
+        for step in range(1, {{ steps }} + 1):
+            print(json.dumps({"step": step, "val_error": x + 1.0 / step}))
+        print(json.dumps({"val_error": x, "test_error": x / 2}))
+        """)
+    path = scenario(tmp_path, template=template, parallel=1, steps=2000,
+                    extra="search: {method: monte_carlo, trials: 1, pruner: median, seed: 1}\n")
+    assert hpo("run", str(path)).returncode == 0
+    row = export(path)[0]
+    assert row["state"] == "COMPLETE"
+    assert (float(row["val_error"]), float(row["test_error"])) == (float(row["x"]), float(row["x"]) / 2)
+    assert len((Path(row["folder"]) / "trial.log").read_text().splitlines()) == 2001
+    assert sorted(intermediate_values(path)[0]) == list(range(1, 2001))
+
+
+def test_a_pruned_trial_names_its_objective_step_and_keeps_no_held_out_metric(tmp_path: Path) -> None:
+    """Its batch lines carry steps of their own (iterations); the reason names the epoch at
+    which the pruner decided, Optuna holds nothing after it, and its test_error (of a model
+    trained in part) is not recorded: a pruned trial has no final results."""
+    template = textwrap.dedent("""\
+        import json, time
+        x = {{ x }}
+        for epoch in range(1, {{ steps }} + 1):
+            print(json.dumps({"step": epoch, "val_error": x + 1.0 / epoch, "test_error": x + 2.0 / epoch}), flush=True)
+            for batch in range(1, 4):
+                print(json.dumps({"step": (epoch * 3 + batch) * 100, "train_loss": x}), flush=True)
+            time.sleep({{ pause }})
+        """)
+    (tmp_path / "design.csv").write_text("x\n0.1\n0.2\n0.15\n0.9\n")
+    path = scenario(tmp_path, template=template, parallel=1, steps=5, pause=0.1,
+                    extra="search: {method: csv, csv: design.csv, pruner: median, seed: 1}\n")
+    assert hpo("run", str(path)).returncode == 0
+    rows = export(path)
+    assert [r["state"] for r in rows] == ["COMPLETE"] * 3 + ["PRUNED"]
+    assert all(r["test_error"] for r in rows[:3])
+    steps = sorted(intermediate_values(path)[3])  # [1] unless this machine was too busy to judge epoch 1 in time
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 5
+    assert (rows[3]["reason"], rows[3]["test_error"], rows[3]["val_error"]) == (f"pruned at step {steps[-1]}", "", "")
+
+
 def test_pruning_ends_bad_trials(tmp_path: Path) -> None:
     template = textwrap.dedent("""\
         import time

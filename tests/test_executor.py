@@ -53,11 +53,13 @@ OBJECTIVE = Objective(metric="val_error", held_out=("test_error",))
         pytest.param("Result of this algorithm run: UNSAT, 1, 0, 0.5, 1", 0, None, "FAIL", None, {},
                      "trial reported UNSAT", id="unsat"),
         pytest.param("Result of this algorithm run: SAT, 1, 0, 0.5, 1", 0, None, "COMPLETE", 0.5, {}, "", id="sat"),
-        pytest.param("val_error=0.2", 0, "timeout", "TIMEOUT", None, {}, "killed after 30 s (resources.timeout)",
-                     id="timeout"),
+        pytest.param("val_error=0.2 test_error=0.3", 0, "timeout", "TIMEOUT", None, {},
+                     "killed after 30 s (resources.timeout)", id="timeout-keeps-no-held-out"),
         pytest.param('{"step": 2, "val_error": 0.4}', -15, "pruned", "PRUNED", None, {}, "pruned at step 2",
                      id="pruned"),
-        pytest.param("", -15, "stopped", "STOPPED", None, {}, "stopped by the user", id="stopped"),
+        pytest.param('{"step": 1, "val_error": 0.4, "test_error": 0.3}\n{"step": 500, "train_loss": 0.1}', -15,
+                     "pruned", "PRUNED", None, {}, "pruned at step 1", id="pruned-names-an-objective-step"),
+        pytest.param("test_error=0.3", -15, "stopped", "STOPPED", None, {}, "stopped by the user", id="stopped"),
         pytest.param("val_error=0.1", -15, "interrupted", "INTERRUPTED", None, {},
                      "interrupted: the sweep was stopped; it runs again on resume", id="interrupted"),
         pytest.param("", 127, "cannot start trian: No such file", "FAIL", None, {}, "cannot start trian: No such file",
@@ -71,24 +73,39 @@ def test_judge(text: str, exit_code: int, ended_by: str | None, outcome: str, va
         outcome, value, held_out, reason)
 
 
-class Control:
-    """Records what the executor tells the sweep; asks to prune at ``prune_at``."""
+class BareControl:
+    """Records what the executor tells the sweep (a control without ``record``); asks to
+    prune at ``prune_at``; each pruner question takes ``ask_s``."""
 
-    def __init__(self, prune_at: int | None = None, end: str | None = None) -> None:
+    def __init__(self, prune_at: int | None = None, end: str | None = None, ask_s: float = 0.0) -> None:
         self.gpus: Sequence[int] | None = None
         self.values: list[tuple[int, float]] = []
+        self.judged: list[int] = []
+        self.decided: int | None = None
         self.prune_at = prune_at
         self.end = end
+        self.ask_s = ask_s
 
     def started(self, gpus: Sequence[int]) -> None:
         self.gpus = gpus
 
     def intermediate(self, step: int, value: float) -> bool:
+        time.sleep(self.ask_s)
         self.values.append((step, value))
-        return self.prune_at is not None and step >= self.prune_at
+        self.judged.append(step)
+        if self.decided is None and self.prune_at is not None and step >= self.prune_at:
+            self.decided = step
+        return self.decided is not None
 
     def end_request(self) -> str | None:
         return self.end
+
+
+class Control(BareControl):
+    """A :class:`BareControl` that also takes values the pruner need not judge."""
+
+    def record(self, step: int, value: float) -> None:
+        self.values.append((step, value))
 
 
 def spec(tmp_path: Path, code: str, objective: Objective = OBJECTIVE, timeout: float | None = 30,
@@ -248,3 +265,55 @@ def test_a_trial_that_ran_through_a_pause_of_its_worker_counts_all_of_it(tmp_pat
                                  PausedControl(1.0))
     assert result.outcome is Outcome.COMPLETE and result.duration_s >= 1.5
     assert "paused_s" not in json.loads((tmp_path / "trial-0007" / "result.json").read_text())
+
+
+def test_judge_names_the_step_at_which_the_pruner_decided() -> None:
+    metrics = parse_text('{"step": 1, "val_error": 0.4}\n{"step": 2, "val_error": 0.3}', "val_error")
+    result = judge(metrics, OBJECTIVE, -15, "pruned", [], 1.0, 30, pruned_at=1)
+    assert (result.outcome, result.reason, result.step) == (Outcome.PRUNED, "pruned at step 1", 1)
+
+
+def test_nothing_reaches_the_pruner_after_it_decided(tmp_path: Path) -> None:
+    """The trial goes on printing until its process is killed; the reason names the step the
+    pruner judged (an objective step, not a later batch line's), and nothing after it is reported."""
+    control = Control(prune_at=1)
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import json, time
+        for epoch in range(1, 201):
+            print(json.dumps({"step": epoch, "val_error": 1.0 / epoch}), flush=True)
+            for batch in range(1, 4):
+                print(json.dumps({"step": (epoch * 3 + batch) * 100, "train_loss": 0.5}), flush=True)
+            time.sleep(0.005)
+        """), control)
+    assert control.decided is not None and result.outcome is Outcome.PRUNED
+    assert (result.reason, result.step) == (f"pruned at step {control.decided}", control.decided)
+    assert control.judged[-1] == control.decided and max(step for step, _ in control.values) == control.decided
+
+
+def test_a_backlog_of_reports_is_all_logged_parsed_and_recorded_before_the_judgement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial that prints steps faster than the pruner answers, then exits: every line is in
+    trial.log and parsed, every value recorded; the pruner judges only the last of those that
+    wait together, and none once the process has ended."""
+    monkeypatch.setattr("hpo.launch.KILL_GRACE_S", 0.2)
+    control = Control(ask_s=0.005)
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import json
+        for step in range(1, 501):
+            print(json.dumps({"step": step, "val_error": 0.5 + 1.0 / step}))
+        print(json.dumps({"val_error": 0.5, "test_error": 0.25}))
+        """), control)
+    assert (result.outcome, result.value, dict(result.held_out)) == (Outcome.COMPLETE, 0.5, {"test_error": 0.25})
+    assert len((tmp_path / "trial-0007" / "trial.log").read_text().splitlines()) == 501
+    assert [step for step, _ in control.values] == list(range(1, 501))
+    assert len(control.judged) < 50
+
+
+def test_a_control_without_record_gets_every_value_through_intermediate(tmp_path: Path) -> None:
+    control = BareControl()
+    result = LocalExecutor().run(spec(tmp_path, """\
+        for step in range(1, 201):
+            print(f'{{"step": {step}, "val_error": 0.5}}')
+        print("val_error=0.5")
+        """), control)
+    assert result.outcome is Outcome.COMPLETE and control.judged == list(range(1, 201))

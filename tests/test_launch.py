@@ -299,7 +299,7 @@ def _run(tmp_path: Path, code: str, timeout: float | None = 30, should_end: Any 
     script.write_text(textwrap.dedent(code))
     lines: list[str] = []
     result = run_process([sys.executable, str(script)], tmp_path, env or dict(os.environ), tmp_path / "trial.log",
-                         timeout, lines.append, should_end or (lambda: None))
+                         timeout, lambda batch, running: lines.extend(batch), should_end or (lambda: None))
     return result, lines
 
 
@@ -334,19 +334,19 @@ def test_bad_callback_does_not_stop_the_log(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text("print('a')\nprint('b')\n")
 
-    def explode(line: str) -> None:
+    def explode(lines: list[str], running: bool) -> None:
         raise ValueError("boom")
 
     result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), tmp_path / "trial.log", 30,
                          explode, lambda: None)
     assert result.exit_code == 0
     log = (tmp_path / "trial.log").read_text()
-    assert log.startswith("a\n") and "b\n" in log and "could not handle an output line: boom" in log
+    assert log.startswith("a\n") and "b\n" in log and "could not handle output lines: boom" in log
 
 
 def test_missing_executable(tmp_path: Path) -> None:
     result = run_process([str(tmp_path / "no-such-program")], tmp_path, dict(os.environ), tmp_path / "trial.log",
-                         30, lambda line: None, lambda: None)
+                         30, lambda lines, running: None, lambda: None)
     assert result.exit_code == 127
     assert result.ended_by is not None and "cannot start" in result.ended_by
     assert "cannot start" in (tmp_path / "trial.log").read_text()
@@ -402,7 +402,7 @@ def test_should_end_is_honoured(tmp_path: Path) -> None:
 
     start = time.monotonic()
     result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), tmp_path / "trial.log", None,
-                         seen.append, should_end)
+                         lambda lines, running: seen.extend(lines), should_end)
     assert result.ended_by == "stopped"
     assert polls >= 1
     assert time.monotonic() - start < 10
@@ -437,7 +437,7 @@ def test_kill_by_token(tmp_path: Path) -> None:
 def test_a_trial_that_closes_its_output_does_not_spin_a_core(tmp_path: Path) -> None:
     cpu = time.process_time()
     result = run_process(["sh", "-c", "exec >/dev/null 2>&1; sleep 1.5"], tmp_path, dict(os.environ),
-                         tmp_path / "trial.log", 30, lambda line: None, lambda: None)
+                         tmp_path / "trial.log", 30, lambda lines, running: None, lambda: None)
     assert result.exit_code == 0 and result.duration_s >= 1.5
     assert time.process_time() - cpu < 0.3
 
@@ -457,6 +457,30 @@ def _kill(pid: int) -> None:
         psutil.Process(pid).kill()
     except psutil.NoSuchProcess:
         pass
+
+
+def test_every_line_is_logged_and_handled_however_slow_the_handler(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines still waiting for a slow handler when the process ends are all handled (as left
+    over: ``running`` False) before run_process returns; KILL_GRACE_S bounds only how long
+    the pipe is read after the end, not how long the handler takes."""
+    monkeypatch.setattr("hpo.launch.KILL_GRACE_S", 0.2)
+    script = tmp_path / "child.py"
+    script.write_text("import time\nprint('line 0', flush=True)\ntime.sleep(0.3)\n"
+                      "for i in range(1, 3000):\n    print(f'line {i}')\n")
+    seen: list[tuple[str, bool]] = []
+
+    def slow(lines: list[str], running: bool) -> None:
+        time.sleep(0.5 if not seen else 0.0)
+        seen.extend((line, running) for line in lines)
+
+    result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), tmp_path / "trial.log", 30,
+                         slow, lambda: None)
+    assert result.exit_code == 0
+    expected = [f"line {i}\n" for i in range(3000)]
+    assert [line for line, _ in seen] == expected
+    assert (tmp_path / "trial.log").read_text() == "".join(expected)
+    assert seen[0][1] and not seen[-1][1]
 
 
 @pytest.mark.parametrize("stdout", ["None", "subprocess.DEVNULL"], ids=["keeps-the-pipe", "own-output"])

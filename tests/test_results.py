@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from hpo.results import (
     RESERVED_ATTRS,
     MetricParser,
     Metrics,
+    StepError,
     last_error_line,
     out_of_gpu_memory,
     parse_smac_line,
@@ -380,7 +382,7 @@ def test_without_a_step_pattern_matches_are_final_values_only() -> None:
         pytest.param("Epoch 1: loss 0.5\nEpoch 2: loss 0.4", ((1, {"loss": 0.5}), (2, {"loss": 0.4})), {"loss": 0.4},
                      id="step-and-value-on-one-line"),
         pytest.param("Epoch 1\nEpoch 2\nloss 0.5", ((2, {"loss": 0.5}),), {"loss": 0.5}, id="last-step-counts"),
-        pytest.param("Epoch 1\nEpoch 1.5\nloss 0.5", ((1, {"loss": 0.5}),), {"loss": 0.5}, id="non-integer-step"),
+        pytest.param("Epoch 1\nEpoch 1.5\nloss 0.5", (), {"loss": 0.5}, id="non-integer-step-leaves-no-step"),
         pytest.param("Epoch x\nloss 0.5", (), {"loss": 0.5}, id="non-number-step"),
         pytest.param("Epoch 3\nacc 0.9", (), {"acc": 0.9}, id="held-out-match-is-not-a-step"),
     ],
@@ -410,9 +412,10 @@ def test_a_pattern_match_that_is_not_a_number_is_invalid(lines: list[str], final
 
 
 def test_odd_steps_and_optional_groups_do_not_break_the_parser() -> None:
-    metrics = parse_text('{"step": NaN, "val_error": 0.4}\nloss: \nloss: 0.2', "loss", {"loss": r"loss: ([0-9.]+)?"})
+    text = '{"step": NaN, "val_error": 0.4}\nloss: \nEpoch \nloss: 0.2'
+    metrics = parse_text(text, "loss", {"loss": r"loss: ([0-9.]+)?"}, r"Epoch (\d+)?")
     assert metrics.intermediate == ()
-    assert metrics.final == {"val_error": 0.4, "loss": 0.2}
+    assert metrics.final == {"loss": 0.2}
 
 
 def test_patterns_add_to_the_built_in_formats() -> None:
@@ -915,3 +918,65 @@ def test_a_bad_objective_names_its_field(tmp_path: Path, write_scenario: WriteSc
 def test_reserved_names_are_the_attributes_hpo_records() -> None:
     assert {"outcome", "reason", "duration_s", "folder", "worker", "slot", "gpus", "rerun_of", "retry_of",
             "requeue_of", "design_index", "lost_count"} <= RESERVED_ATTRS
+
+
+def test_built_in_objective_lines_after_a_step_match_are_intermediate_values() -> None:
+    """A step pattern without ``patterns``: the objective's ``key=value`` and JSON lines after
+    ``Epoch e`` are epoch e's values (they were final values only, and nothing was pruned)."""
+    text = ("Epoch 1\nval_error=1.5\nEpoch 2\n{\"val_error\": 1.0, \"test_error\": 1.1}\nEpoch 3\ntest_error=0.9\n"
+            "{\"step\": 7, \"val_error\": 0.8}\nResult of this algorithm run: SAT, 1, 0, 0.7, 1\n")
+    parser = MetricParser("val_error", step_pattern=r"Epoch (\d+)")
+    reported = [parser.feed(line) for line in text.splitlines()]
+    assert [(line.step, dict(line.values)) for line in reported if line is not None] == [
+        (1, {"val_error": 1.5}), (2, {"val_error": 1.0, "test_error": 1.1}), (None, {"test_error": 0.9}),
+        (7, {"val_error": 0.8}), (None, {"runtime": 1.0, "val_error": 0.7})]
+    metrics = parser.metrics()
+    assert [step for step, _ in metrics.intermediate] == [1, 2, 7]
+    assert metrics.final == {"val_error": 0.7, "test_error": 0.9, "runtime": 1.0}
+
+
+@pytest.mark.parametrize(("line", "shown"), [
+    pytest.param('{"step": 0.5, "val_error": 0.9}', "0.5", id="json-half"),
+    pytest.param('{"step": 1.9, "val_error": 0.4}', "1.9", id="json-below-two"),
+    pytest.param("step=1.5 val_error=0.4", "1.5", id="pairs"),
+    pytest.param('{"step": -1, "val_error": 0.4}', "-1", id="negative"),
+    pytest.param('{"step": 1e20, "val_error": 0.4}', "1e+20", id="beyond-storage"),
+    pytest.param('{"step": NaN, "val_error": 0.4}', "nan", id="nan"),
+    pytest.param('{"step": "2", "val_error": 0.4}', '"2"', id="text"),
+    pytest.param('{"step": true, "val_error": 0.4}', "true", id="bool"),
+])
+def test_a_step_that_is_not_a_whole_number_is_refused_not_truncated(line: str, shown: str) -> None:
+    parser = MetricParser("val_error")
+    assert parser.feed('{"step": 1, "val_error": 0.5}') is not None
+    with pytest.raises(StepError, match=rf"^step {re.escape(shown)} is not a whole number from 0 to 2147483647; "):
+        parser.feed(line)
+    assert parser.metrics() == Metrics(final={"val_error": 0.5}, intermediate=((1, {"val_error": 0.5}),))
+    assert parse_text(f"{line}\nval_error=0.3", "val_error") == Metrics(final={"val_error": 0.3})
+
+
+def test_a_whole_float_step_is_that_step() -> None:
+    reported = MetricParser("val_error").feed('{"step": 2.0, "val_error": 0.4}')
+    assert reported is not None and reported.step == 2
+
+
+def test_a_step_pattern_match_that_is_not_a_whole_number_is_refused_and_leaves_no_step() -> None:
+    parser = MetricParser("loss", {"loss": r"loss (\S+)"}, r"Epoch ([^\s:]+)")
+    parser.feed("Epoch 1")
+    parser.feed("loss 0.5")
+    with pytest.raises(StepError, match=r"^step_pattern matched step 1\.5 is not a whole number"):
+        parser.feed("Epoch 1.5")
+    parser.feed("loss 0.4")
+    with pytest.raises(StepError, match=r"matched step -2 is not"):
+        parser.feed("Epoch -2: loss 0.1")
+    parser.feed("Epoch 2")
+    parser.feed("loss 0.3")
+    metrics = parser.metrics()
+    assert metrics.intermediate == ((1, {"loss": 0.5}), (2, {"loss": 0.3}))
+    assert metrics.final == {"loss": 0.3}
+
+
+def test_report_prints_a_step_as_given() -> None:
+    out = io.StringIO()
+    report(step=2.0, file=out, val_error=0.5)
+    report(step=1.5, file=out, val_error=0.4)
+    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}', '{"step": 1.5, "val_error": 0.4}']

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from hpo import space
 from hpo.errors import InputError
 from hpo.optimizer import SmacSampler
-from hpo.samplers import build_sampler
+from hpo.samplers import build_sampler, make_pruner
 from hpo.scenario import Param, load_scenario
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -391,3 +391,51 @@ def test_only_unconditional_choices_of_several_values_are_balanced() -> None:
                   "model": Param(type="categorical", choices=("mlp", "cnn", "rnn")),
                   "act": Param(type="categorical", choices=("relu", "tanh"), condition={"model": "mlp"}),
                   "fixed": Param(type="categorical", choices=("a",))}).unconditional_choices == [0, 3, 0, 0]
+
+
+BASES = (0.5, 0.4, 0.3)  # trial i's learning curve: BASES[i] + 1 / step, for steps 1..9
+
+
+def _pruned_and_rungs(pruner: optuna.pruners.BasePruner, interleaved: bool) -> list[tuple[bool, dict[str, float]]]:
+    """Trials 0 and 1 run nine steps, together (``interleaved``: trial 0 completes while trial 1
+    is at step 9) or one after the other; then trial 2 reports step 1. Each trial's pruning
+    decision and its recorded rung values."""
+    study = optuna.create_study(study_name="rungs", pruner=pruner)
+    first, second = study.ask(), study.ask()
+    pruned = {0: False, 1: False}
+
+    def step(trial: optuna.Trial, at: int) -> None:
+        if not pruned[trial.number]:
+            trial.report(BASES[trial.number] + 1 / at, at)
+            pruned[trial.number] = trial.should_prune()
+
+    order = [(t, at) for at in range(1, 10) for t in (first, second)] if interleaved else \
+        [(t, at) for t in (first, second) for at in range(1, 10)]
+    for trial, at in order:
+        step(trial, at)
+        if trial is first and at == 9:
+            study.tell(first, BASES[0] + 1 / 9)
+    third = study.ask()
+    third.report(BASES[2] + 1, 1)
+    decisions = [*pruned.values(), third.should_prune()]
+    return [(decision, {key: value for key, value in trial.system_attrs.items() if key.startswith("completed_rung")})
+            for decision, trial in zip(decisions, study.get_trials(deepcopy=False))]
+
+
+@pytest.mark.parametrize("search", [
+    pytest.param({"pruner": "successive_halving"}, id="successive-halving"),
+    pytest.param({"pruner": "hyperband"}, id="hyperband"),
+    pytest.param({"pruner": "hyperband", "max_step": 9}, id="hyperband-max-step"),
+])
+def test_rungs_compare_values_at_the_same_step_whatever_runs_at_once(
+        tmp_path: Path, write_scenario: Callable[..., Path], search: dict[str, Any]) -> None:
+    """A trial that is past step 1 when the first trial completes enters rung 0 with its
+    step-1 value (Optuna's min_resource "auto" recorded its late value, and every later
+    step-1 value lost against it): trials running together are pruned as one after another."""
+    scenario = load_scenario(write_scenario(tmp_path, search={"method": "monte_carlo", "trials": 3, **search}))
+    together = _pruned_and_rungs(make_pruner(scenario), interleaved=True)
+    assert together == _pruned_and_rungs(make_pruner(scenario), interleaved=False)
+    if search["pruner"] == "successive_halving":
+        assert together[1][1]["completed_rung_0"] == BASES[1] + 1
+        assert [pruned for pruned, _ in together] == [False, False, False]  # each the best step-1 value so far
+

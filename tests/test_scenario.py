@@ -72,7 +72,7 @@ def test_defaults(tmp_path: Path, write_scenario: WriteScenario) -> None:
     assert scenario.env == {}
     assert scenario.search.seed == 1
     assert scenario.search.retry_failed == 0
-    assert scenario.search.pruner == "none"
+    assert scenario.search.pruner == "none" and scenario.search.max_step is None
     assert scenario.objective == Objective(metric="val_error", direction="minimize", held_out=())
     assert scenario.resources == Resources(parallel=1, gpus_per_trial="auto", processes_per_trial=None, gpus=None,
                                            torchrun="auto", timeout=None, heartbeat=10.0, store_retry=300.0)
@@ -177,6 +177,11 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
                                              "more) or auto, got true")),
         ({"resources": {"torchrun": "maybe"}}, "resources.torchrun: expected auto, true or false, got maybe"),
         ({"search": {"retry_failed": True}}, "search.retry_failed: Input should be a valid integer"),
+        ({"search": {"pruner": "median", "max_step": 10}},
+         "search.max_step: only pruner hyperband reads max_step, but pruner is median"),
+        ({"search": {"max_step": 10}}, "search.max_step: only pruner hyperband reads max_step, but pruner is none"),
+        ({"search": {"pruner": "hyperband", "max_step": 0}}, "search.max_step: Input should be greater than or equal"),
+        ({"search": {"pruner": "hyperband", "max_step": 2.5}}, "search.max_step: Input should be a valid integer"),
         ({"resources": {"gpus": [-1]}}, "resources.gpus.0: Input should be greater than or equal to 0"),
         ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env: CUDA_VISIBLE_DEVICES is set by hpo for each trial"),
         ({"env": {"HPO_SLOT": "1"}}, "env: HPO_SLOT is set by hpo for each trial"),
