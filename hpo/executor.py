@@ -119,10 +119,15 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
 
     Every output line is parsed before the trial is judged. Of the objective's intermediate
     values that wait together, all are reported and the pruner judges the last; once the
-    process has ended none is judged; once the pruner said prune none is reported.
+    process has ended none is judged; once the pruner said prune none is reported. A trial
+    whose end is asked before it starts (``hpo stop`` of a trial claimed ahead) is not started:
+    it is judged so ended, after 0 s.
     """
     write_files(folder, spec.files)
     objective = spec.objective
+    asked = control.end_request()
+    if asked is not None:
+        return save_result(folder, spec.number, judge(Metrics(), objective, 0, asked, (), 0.0, spec.timeout))
     parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     record = getattr(control, "record", control.intermediate)

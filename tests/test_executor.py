@@ -131,6 +131,14 @@ def test_a_trial_runs_in_its_folder_and_leaves_its_result_there(tmp_path: Path) 
     assert "val_error=0.25" in (folder / "trial.log").read_text()
 
 
+def test_a_trial_whose_end_is_asked_before_it_starts_is_not_started(tmp_path: Path) -> None:
+    control = Control(end="stopped")
+    result = LocalExecutor().run(spec(tmp_path, "open('ran', 'w').close()"), control)
+    assert (result.outcome, result.duration_s, result.reason) == (Outcome.STOPPED, 0.0, "stopped by the user")
+    folder = tmp_path / "trial-0007"
+    assert control.gpus is None and not (folder / "ran").exists() and saved_result(folder, 7) == result
+
+
 def test_pruning_and_stop_requests_end_the_process(tmp_path: Path) -> None:
     code = """\
         import time
@@ -244,8 +252,9 @@ class PausedControl(Control):
         self.pause = pause
 
     def end_request(self) -> str | None:
-        time.sleep(self.pause)
-        self.pause = 0.0
+        if self.gpus is not None:  # started: the trial's process runs
+            time.sleep(self.pause)
+            self.pause = 0.0
         return None
 
 
