@@ -344,6 +344,9 @@ class _WorkerControl:
         self._courier.send("value", step=step, value=value)
         return False
 
+    def record(self, step: int, value: float) -> None:
+        self._courier.send("value", step=step, value=value, judged=False)
+
     def end_request(self) -> str | None:
         return self._courier.end_request()
 
@@ -640,6 +643,9 @@ class _Following:
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
             self._control.started(tuple(message.get("gpus", ())))
+        elif kind == "value" and not message.get("judged", True):
+            record = getattr(self._control, "record", self._control.intermediate)
+            record(int(message["step"]), float(message["value"]))
         elif kind == "value" and self._control.intermediate(int(message["step"]), float(message["value"])):
             self._ask("pruned")
         elif kind == "log":
