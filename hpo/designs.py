@@ -4,11 +4,16 @@
 ``lhs``, ``grid``, ``csv``) as parameter dicts, or None for model-based methods, which
 propose points one at a time. The engine enqueues the points in the study, so whichever
 worker asks next takes the next point. Random designs are seeded and prefix-stable
-(Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence.
+(Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence. A grid's
+points run in a seeded random order (as Optuna's GridSampler visits them), so
+``search.trials`` below the grid's size is a random subset spread over the grid, not one
+corner of it, and raising it later (or leaving it out) extends the same sequence.
 """
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import itertools
 import warnings
 from pathlib import Path
@@ -58,14 +63,22 @@ def grid_points(scenario: Scenario) -> list[Point]:
 def csv_points(scenario: Scenario) -> list[Point]:
     """Rows of the design CSV as points; every cell is validated before anything runs.
 
-    The header must name every free parameter (constants may be left out) and nothing
-    else. A conditional parameter's cell may be empty when its condition does not hold.
+    The file is read as UTF-8, with or without a byte order mark (Excel's "CSV UTF-8"),
+    whatever the locale; other encodings are refused. The header must name every free
+    parameter (constants may be left out) and nothing else. A conditional parameter's cell
+    may be empty when its condition does not hold.
     """
     path = Path(scenario.search.csv or "")
     if not path.is_file():
         raise InputError(f"search.csv: design file {path} not found")
-    with path.open(newline="") as handle:
-        rows = list(csv.reader(handle))
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{path.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
+                         "save it as CSV UTF-8") from None
+    rows = list(csv.reader(io.StringIO(text, newline="")))
     rows = [row for row in rows if any(cell.strip() for cell in row)]
     if not rows:
         raise InputError(f"{path.name}: the design CSV is empty")
@@ -85,7 +98,8 @@ def csv_points(scenario: Scenario) -> list[Point]:
     points = []
     for line, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
-            raise InputError(f"{path.name} line {line}: {len(row)} values for {len(header)} columns")
+            raise InputError(f"{path.name} line {line}: {_plural(len(row), 'value')} for "
+                             f"{_plural(len(header), 'column')}")
         cells = dict(zip(header, row))
         values: Point = {}
         for name, p in params.items():
@@ -100,21 +114,54 @@ def csv_points(scenario: Scenario) -> list[Point]:
     return points
 
 
+def grid_order(scenario: Scenario) -> list[Point]:
+    """The grid's points (:func:`grid_points`) in the order they run: a permutation seeded
+    by ``search.seed`` alone, so every ``search.trials`` takes a prefix of one sequence."""
+    points = grid_points(scenario)
+    return [points[index] for index in _grid_permutation(scenario, len(points))]
+
+
+def _grid_permutation(scenario: Scenario, size: int) -> list[int]:
+    return [int(index) for index in np.random.default_rng(scenario.search.seed).permutation(size)]
+
+
+def design_numbers(scenario: Scenario) -> list[int] | None:
+    """The number (``design_index``) under which each point of :func:`design_points` is
+    recorded: its place in the design; for a grid, its place in the grid's natural order
+    (:func:`grid_points`), which names one point whatever the seed (and as studies begun
+    before grids ran shuffled numbered it). None if model-based."""
+    points = design_points(scenario)
+    if points is None:
+        return None
+    if scenario.search.method != "grid":
+        return list(range(len(points)))
+    return _grid_permutation(scenario, len(grid_points(scenario)))[:len(points)]
+
+
 def design_points(scenario: Scenario) -> list[Point] | None:
-    """All points of the scenario's design, ``search.trials`` of them; None if model-based."""
+    """All points of the scenario's design, ``search.trials`` of them; None if model-based.
+
+    A CSV design takes its first rows, a grid the first points of :func:`grid_order`.
+    """
     method = scenario.search.method
     if method not in DESIGN_METHODS:
         return None
     wanted = scenario.search.trials
     if method in ("csv", "grid"):
-        points = csv_points(scenario) if method == "csv" else grid_points(scenario)
+        points = csv_points(scenario) if method == "csv" else grid_order(scenario)
         if wanted is not None and wanted > len(points):
-            raise InputError(f"search.trials: {wanted} trials exceed the {len(points)} points of the {method} design")
+            raise InputError(f"search.trials: {wanted} trials exceed the {_plural(len(points), 'point')} "
+                             f"of the {method} design")
         return points[:wanted] if wanted else points
     assert wanted is not None
     free = space.free_parameters(scenario.parameters)
     units = _unit_points(method, wanted, len(free), scenario.search.seed)
     return [space.from_unit(scenario.parameters, row) for row in units]
+
+
+def _plural(number: int, noun: str) -> str:
+    """``1 point``, ``2 points``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def total_trials(scenario: Scenario) -> int:

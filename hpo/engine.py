@@ -157,7 +157,7 @@ class Sweep:
                                 reached=config.store_reached)
         self.store.use_sampler(make_sampler(scenario, config.seed, resumed_at=len(self.store.trials())))
         self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
-                                   config.seed)
+                                   config.seed, designs.design_numbers(scenario))
         self._executor = executor or LocalExecutor()
         self._observer: Observer | None = None
         self._running: dict[int, _Running] = {}

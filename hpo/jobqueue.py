@@ -21,6 +21,8 @@ from hpo.scenario import Cluster, Resources
 CLUSTER_CLASSES = {"slurm": "SLURMCluster", "pbs": "PBSCluster", "sge": "SGECluster", "lsf": "LSFCluster",
                    "htcondor": "HTCondorCluster"}
 UNFINISHED = frozenset({"waiting", "queued", "no-worker", "processing"})
+SCHEDULER_PLACEHOLDER = "tcp://<insert-scheduler-address-here>:8786"
+"""What the job script shows for the scheduler's address before ``hpo run`` starts it (dask-jobqueue's own words)."""
 
 
 def trials_per_job(spec: Cluster, resources: Resources) -> int:
@@ -109,12 +111,17 @@ def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | No
 
 
 def job_script(spec: Cluster) -> str:
-    """The job script hpo would submit for ``spec`` (dask-jobqueue's ``job_script()``)."""
-    cluster = make_cluster(spec, dashboard=False)
-    try:
-        return str(cluster.job_script())
-    finally:
-        cluster.close()
+    """The job script hpo would submit for ``spec``, as dask-jobqueue writes it, but with
+    :data:`SCHEDULER_PLACEHOLDER` for the address of the scheduler that ``hpo run`` starts.
+
+    It is built from dask-jobqueue's job class alone: no scheduler is started, so no port is
+    opened and nothing is written (a scheduler makes ``dask-scratch-space`` and its lock files).
+    """
+    import dask_jobqueue
+
+    assert spec.kind is not None
+    job_cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind]).job_cls
+    return str(job_cls(SCHEDULER_PLACEHOLDER, name="dummy-name", **job_options(spec)).job_script())
 
 
 class TrialAdaptive(Adaptive):

@@ -3,18 +3,22 @@
 * ``history.png``: each completed trial's objective, the best so far and the held-out
   metrics of the best-so-far trial (what a user reports), against the trial number (a
   held-out metric on another scale gets its own panel); below, the trials without a value,
-  one row per state in its colour; with no completed trial, the commonest failure reason;
+  one row per state in its colour; with no completed trial, the commonest failure reason
+  (or the reasons that tie for it);
 * ``states.png``: how the trials ended, one colour per :class:`~hpo.outcome.Outcome`;
 * ``importances.png``: each parameter's share of the objective's variance by fANOVA;
 * ``slice.png`` and ``parallel.png``: Optuna's own charts, titled and with readable log ticks.
 
 The objective's axis is chosen from the values (:func:`value_axis`): a log axis when they
 span orders of magnitude, an axis clipped to the bulk when a few outliers would squash the
-rest, and the chart says so. The last three charts need two completed trials.
+rest, and the chart says so. The last three charts need two completed trials and a
+parameter that took two values among them; a chart that is not drawn is said once, with
+why, as a warning of the ``hpo.plots`` logger.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -54,6 +58,8 @@ LABEL_INCHES = 0.55
 LOG_SUBS = ((1.0, 2.0, 5.0), (1.0, 3.0), (1.0,))
 MANY_LINES = 200
 HELD_OUT_PANEL = "held out: "
+REASONS_LISTED = 3
+logger = logging.getLogger(__name__)
 STATE_STYLE: Mapping[Outcome, tuple[str, str]] = {
     Outcome.COMPLETE: ("#2e7d32", "ran to the end"),
     Outcome.PRUNED: ("#f9a825", "stopped early by the pruner"),
@@ -191,7 +197,8 @@ class History:
             each gets its own panel; the others are drawn beside the objective.
         others: the numbers of the trials that did not complete, by state.
         last_number: the highest trial number.
-        top_reason: the commonest reason of the failed trials and how many gave it.
+        commonest: the commonest reasons of the failed trials, each with how many gave it: one,
+            or all those that tie for the highest count (in the order they first occurred).
     """
 
     numbers: tuple[int, ...]
@@ -203,7 +210,7 @@ class History:
     held_out_apart: tuple[str, ...]
     others: Mapping[Outcome, tuple[int, ...]]
     last_number: int
-    top_reason: tuple[str, int] | None
+    commonest: tuple[tuple[str, int], ...]
 
 
 def _completed(rows: Sequence[PlotRow]) -> list[PlotRow]:
@@ -250,7 +257,7 @@ def history_data(rows: Sequence[PlotRow], direction: str, held_out: Sequence[str
         held_out_apart=tuple(name for name, series in best_held.items() if axis and not _fits(series, axis)),
         others={state: tuple(numbers) for state, numbers in others.items()},
         last_number=max((r.number for r in rows), default=0),
-        top_reason=reasons.most_common(1)[0] if reasons else None)
+        commonest=tuple((reason, count) for reason, count in reasons.items() if count == max(reasons.values())))
 
 
 @dataclass(frozen=True)
@@ -412,10 +419,23 @@ def _draw_others(ax: Axes, others: Mapping[Outcome, tuple[int, ...]]) -> None:
 
 
 def _no_value_text(data: History) -> str:
-    if data.top_reason is None:
+    """What the history chart says without a completed trial: the commonest failure reason,
+    or the reasons that tie for it (up to :data:`REASONS_LISTED`, one line each)."""
+    if not data.commonest:
         return "no completed trial yet"
-    reason, count = data.top_reason
-    return f"no completed trial yet\n\ncommonest reason ({count}×):\n" + "\n".join(textwrap.wrap(reason, 80))
+    if len(data.commonest) == 1:
+        reason, count = data.commonest[0]
+        return f"no completed trial yet\n\ncommonest reason ({count}×):\n" + "\n".join(textwrap.wrap(reason, 80))
+    count = data.commonest[0][1]
+    listed = [textwrap.shorten(reason, 100, placeholder=" ...") for reason, _ in data.commonest[:REASONS_LISTED]]
+    more = len(data.commonest) - len(listed)
+    return (f"no completed trial yet\n\n{len(data.commonest)} reasons, {count}× each:\n" + "\n".join(listed)
+            + (f"\nand {more} more" if more else ""))
+
+
+def _plural(count: int, noun: str) -> str:
+    """``1 trial``, ``2 trials``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def draw_history(data: History, study: str, metric: str, direction: str, path: Path) -> Path:
@@ -428,7 +448,8 @@ def draw_history(data: History, study: str, metric: str, direction: str, path: P
         axes = dict(zip(panels, figure.subplots(len(panels), 1, sharex=True, squeeze=False,
                                                 height_ratios=[heights[p] for p in panels])[:, 0]))
         total = len(data.numbers) + sum(len(n) for n in data.others.values())
-        figure.suptitle(f"{study}: {metric} by trial ({direction}; {total} trials, {len(data.numbers)} completed)")
+        figure.suptitle(f"{study}: {metric} by trial ({direction}; {_plural(total, 'trial')}, "
+                        f"{len(data.numbers)} completed)")
         main = axes["values"]
         if data.axis is None:
             main.set_yticks([])
@@ -441,7 +462,7 @@ def draw_history(data: History, study: str, metric: str, direction: str, path: P
         if "others" in axes:
             _draw_others(axes["others"], data.others)
         main.set_xlim(-0.5, data.last_number + 0.5)
-        main.xaxis.set_major_locator(MaxNLocator(integer=True))
+        main.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes[panels[-1]].set_xlabel("trial number")
         return _save(figure, path)
 
@@ -462,7 +483,7 @@ def draw_states(bars: Sequence[StateBar], study: str, path: Path) -> Path:
         ax.grid(axis="y", visible=False)
         ax.set_axisbelow(True)
         ax.set_xlabel("trials")
-        figure.suptitle(f"{study}: how the {total} trials ended")
+        figure.suptitle(f"{study}: how the {_plural(total, 'trial')} ended")
         return _save(figure, path)
 
 
@@ -482,7 +503,7 @@ def draw_importances(data: Importances, study: str, path: Path) -> Path:
         ax.set_xlabel(f"share of the variance of {data.target} that each parameter explains")
         rough = " (few trials: a rough estimate)" if data.trials < FEW_TRIALS else ""
         figure.suptitle(f"{study}: parameter importance for {data.target}\n"
-                        f"fANOVA over {data.trials} completed trials{rough}")
+                        f"fANOVA over {_plural(data.trials, 'completed trial')}{rough}")
         return _save(figure, path)
 
 
@@ -503,7 +524,7 @@ def _tidy_axis(axis: Any, limits: tuple[float, float], integer: bool, inches: fl
         axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         axis.set_minor_formatter(NullFormatter())
     elif integer and axis.get_scale() == "linear":
-        axis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
 
 
 def _recolour(figure: Any, cmap: str) -> None:
@@ -524,7 +545,7 @@ class _OptunaChart:
 
     def save(self, path: Path, prepare: Callable[[list[Any]], None] = lambda axes: None,
              finish: Callable[[list[Any]], None] = lambda axes: None) -> Path | None:
-        """Draw to ``path``; None when Optuna cannot draw it for these trials.
+        """Draw to ``path``; None, with a warning that says why, when Optuna cannot draw it for these trials.
 
         Args:
             path: the PNG file.
@@ -537,7 +558,8 @@ class _OptunaChart:
             warnings.simplefilter("ignore")
             try:
                 result = self.draw()
-            except (ValueError, RuntimeError, ZeroDivisionError):
+            except (ValueError, RuntimeError, ZeroDivisionError) as exc:
+                logger.warning("%s not drawn: Optuna cannot draw it for these trials (%s)", path.name, exc)
                 return None
             axes = list(result.flat) if hasattr(result, "flat") else [result]
             figure = axes[0].figure
@@ -603,24 +625,34 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
     slice_chart = _OptunaChart(
         lambda: ov.plot_slice(study, params=params, target=None if axis.scale == "log" else (
             lambda t: axis.clip(float(t.value))), target_name=axis.label(metric)),
-        f"{name}: {metric} against each parameter ({trials} completed trials; colour: trial number)",
+        f"{name}: {metric} against each parameter ({_plural(trials, 'completed trial')}; colour: trial number)",
         integers, "viridis")
     measured = f"log10({metric})" if axis.scale == "log" else metric
     clipped = f"; {axis.note}" if axis.clipped else ""
     parallel_chart = _OptunaChart(
         lambda: ov.plot_parallel_coordinate(study, params=params, target=lambda t: axis.target(float(t.value)),
                                             target_name=measured),
-        f"{name}: parameters of the {trials} completed trials (colour: {measured}, best darkest{clipped})",
+        f"{name}: parameters of the {_plural(trials, 'completed trial')} (colour: {measured}, best darkest{clipped})",
         integers, good_dark)
     paths = [slice_chart.save(folder / "slice.png", slice_axes),
              parallel_chart.save(folder / "parallel.png", finish=_thin_lines)]
     return [p for p in paths if p is not None]
 
 
+def _why_not_compared(completed: int, params: Sequence[str]) -> str | None:
+    """Why the charts that compare trials (importances, slice, parallel) cannot be drawn, or None."""
+    if completed < 2:
+        return f"they need 2 completed trials, and the study has {'none' if completed == 0 else '1'}"
+    if not params:
+        return "no parameter took two values or more among the completed trials"
+    return None
+
+
 def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
              rows: Sequence[PlotRow] | None = None) -> list[Path]:
     """Draw every chart that the study's trials allow into ``folder``; return the files. Each
-    file is written whole or not at all; an InputError names one that cannot be.
+    file is written whole or not at all; an InputError names one that cannot be. A chart the
+    trials do not allow is said once, with why, as a warning of the ``hpo.plots`` logger.
 
     Args:
         study: the scenario's Optuna study.
@@ -645,9 +677,14 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
     paths = [draw_history(history, scenario.name, objective.metric, objective.direction, folder / "history.png"),
              draw_states(states_data(rows), scenario.name, folder / "states.png")]
     params = varying_params(rows, scenario.parameters)
-    if history.axis is None or len(history.values) < 2 or not params:
+    why = _why_not_compared(len(history.values), params)
+    if why is not None:
+        logger.warning("importances.png, slice.png and parallel.png not drawn: %s", why)
         return paths
+    assert history.axis is not None
     importances = importance_data(study, params, objective.metric, history.axis, scenario.search.seed)
-    if importances is not None:
+    if importances is None:
+        logger.warning("importances.png not drawn: fANOVA cannot rank the parameters on these trials")
+    else:
         paths.append(draw_importances(importances, scenario.name, folder / "importances.png"))
     return paths + _optuna_charts(study, scenario, params, history.axis, folder, len(history.values))

@@ -114,10 +114,17 @@ def end_line(end: TrialEnd, metric: str) -> str:
            f"{_ended(result, metric)}{again}"
 
 
+def past_budget_note(t: Tally) -> str:
+    """`` (budget 2: reached)`` when more trials are done than the budget (``search.trials``
+    was lowered below what ran), else ''; where it is not empty, ``done/budget`` is not said."""
+    return f" (budget {t.budget}: reached)" if t.done > t.budget else ""
+
+
 def summary_line(t: Tally, metric: str) -> str:
     """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``;
     reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``;
-    trials waiting past the budget are said apart from those still to run."""
+    trials waiting past the budget are said apart from those still to run; more trials done
+    than the budget read ``6 trials done (budget 2: reached): 6 complete.``"""
     def count(o: Outcome) -> str:
         return f"{t.counts[o]} {LABELS.get(o, o.value.lower())}"
 
@@ -126,7 +133,9 @@ def summary_line(t: Tally, metric: str) -> str:
     pending = [f"{n} {word}" for n, word in ((t.counts.get(Outcome.RUNNING, 0), "running"),
                                              (t.counts.get(Outcome.WAITING, 0) - t.past_budget, "waiting")) if n]
     reruns = f" and {t.reruns} rerun{'s' if t.reruns > 1 else ''}" if t.reruns else ""
-    text = f"{t.done}/{t.budget} trials done{reruns}" + (f": {', '.join(parts)}" if parts else "")
+    over = past_budget_note(t)
+    done = f"{t.done} trials done{reruns}{over}" if over else f"{t.done}/{t.budget} trials done{reruns}"
+    text = done + (f": {', '.join(parts)}" if parts else "")
     if pending:
         text += f"; {', '.join(pending)}"
     if again:
@@ -185,8 +194,10 @@ class ProgressView:
                               get_renderable=self._render, transient=False)
             self._live.__enter__()
         else:
-            self._print(f"sweep {self._store.scenario.name}: {self._tally.done} of {self._budget} trials done "
-                        f"before this run; {self._slots}")
+            t, over = self._tally, past_budget_note(self._tally)
+            done = f"{t.done} trials done before this run{over}" if over else \
+                f"{t.done} of {t.budget} trials done before this run"
+            self._print(f"sweep {self._store.scenario.name}: {done}; {self._slots}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -238,7 +249,9 @@ class ProgressView:
         stopped = counts.get(Outcome.PRUNED, 0) + counts.get(Outcome.STOPPED, 0)
         again = counts.get(Outcome.LOST, 0) + counts.get(Outcome.INTERRUPTED, 0)
         past = f" (+{t.past_budget} past the budget)" if t.past_budget else ""
-        head = (f"[bold]{t.done}/{t.budget}[/] done  [green]{counts.get(Outcome.COMPLETE, 0)} complete[/]  "
+        over = past_budget_note(t)
+        done = f"[bold]{t.done}[/] done{over}" if over else f"[bold]{t.done}/{t.budget}[/] done"
+        head = (f"{done}  [green]{counts.get(Outcome.COMPLETE, 0)} complete[/]  "
                 f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
                 f"{counts.get(Outcome.WAITING, 0) - t.past_budget} waiting{past}  "
                 f"[dim]{again} lost/interrupted (run again)[/]  ETA {self._eta(t)}")

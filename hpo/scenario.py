@@ -10,6 +10,7 @@ import difflib
 import math
 import re
 import shlex
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -128,6 +129,10 @@ def _check_numeric(p: Param) -> None:
             raise ValueError("step: a log-scaled parameter cannot have a step")
         if p.high > p.low and p.step > p.high - p.low:
             raise ValueError(f"step: {p.step:g} is wider than the range [{p.low:g}, {p.high:g}]")
+        highs = _highs_on_step(p.low, p.high, p.step)
+        if highs is not None:
+            raise ValueError(f"step: {p.step:g} does not divide the range [{p.low:g}, {p.high:g}] "
+                             f"(high {highs[0]:.12g} or {highs[1]:.12g} would)")
     if p.is_normal:
         if p.mean is None or p.std is None:
             raise ValueError(f"{'mean' if p.mean is None else 'std'}: distribution normal needs mean and std")
@@ -137,6 +142,15 @@ def _check_numeric(p: Param) -> None:
             raise ValueError("log: a normal distribution cannot be log-scaled")
     elif p.mean is not None or p.std is not None:
         raise ValueError(f"{'mean' if p.mean is not None else 'std'}: only distribution normal takes mean and std")
+
+
+def _highs_on_step(low: float, high: float, step: float) -> tuple[float, float] | None:
+    """The highs on either side of ``high`` that whole steps from ``low`` reach, or None when
+    ``high`` is one. Decimal arithmetic on the numbers as written, as Optuna's own test (which
+    otherwise warns and moves ``high`` down)."""
+    d_low, d_high, d_step = (Decimal(str(value)) for value in (low, high, step))
+    below = d_low + (d_high - d_low) // d_step * d_step
+    return None if below == d_high else (float(below), float(below + d_step))
 
 
 class Search(_Frozen):

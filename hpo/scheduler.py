@@ -97,13 +97,16 @@ class Scheduler:
         budget: ``search.trials``.
         workdir: where trial folders go.
         seed: this worker's seed (recorded on its claims).
+        numbers: the number each design point is recorded under (``design_index``:
+            :func:`hpo.designs.design_numbers`); by default its place in ``design``.
     """
 
     def __init__(self, store: StudyStore, design: list[dict[str, Any]] | None, budget: int,
-                 workdir: Path, seed: int) -> None:
+                 workdir: Path, seed: int, numbers: list[int] | None = None) -> None:
         self.store = store
         self.budget = budget
         self._design = design
+        self._numbers = numbers if numbers is not None or design is None else list(range(len(design)))
         self._workdir = workdir
         self._seed = seed
         self.worker = worker_id()
@@ -134,7 +137,8 @@ class Scheduler:
                 if index is None:
                     return WAIT if others else None
                 point = self._design[index]
-                store.enqueue(space.searched(store.scenario.parameters, point), {ATTR_DESIGN_INDEX: index})
+                store.enqueue(space.searched(store.scenario.parameters, point),
+                              {ATTR_DESIGN_INDEX: self._numbers[index]})
             trial = store.ask(queued_only=self._design is not None)
         twin = self._twin(trial)
         if twin is not None:
@@ -203,10 +207,11 @@ class Scheduler:
                      if r.number < trial.number and same(r) and r.number != origin), None)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
-        """The first design point that no standing trial (:func:`hpo.rows.standing`) covers."""
+        """The place of the first design point whose number no standing trial
+        (:func:`hpo.rows.standing`) covers."""
         covered = {r.design_index for r in standing(rows) if r.design_index is not None}
-        assert self._design is not None
-        return next((i for i in range(len(self._design)) if i not in covered), None)
+        assert self._numbers is not None
+        return next((i for i, number in enumerate(self._numbers) if number not in covered), None)
 
     def settle(self, claim: Claim, result: TrialResult) -> bool:
         """Record how a claimed trial ended, queueing its configuration again first when it

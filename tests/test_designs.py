@@ -100,8 +100,10 @@ def test_grid_is_the_cartesian_product(tmp_path: Path, write_scenario: WriteScen
         "c": {"type": "constant", "value": 0},
     }
     scenario = _scenario(tmp_path, write_scenario, "grid", None, parameters=parameters)
+    product = [{"a": a, "b": b, "c": 0} for a in (1, 2, 3) for b in ("x", "y")]
+    assert designs.grid_points(scenario) == product
     points = designs.design_points(scenario)
-    assert points == [{"a": a, "b": b, "c": 0} for a in (1, 2, 3) for b in ("x", "y")]
+    assert points is not None and sorted(points, key=repr) == sorted(product, key=repr)
     assert designs.total_trials(scenario) == 6
 
 
@@ -117,13 +119,48 @@ def test_grid_dedupes_inactive_conditionals(tmp_path: Path, write_scenario: Writ
 
 
 @pytest.mark.parametrize(("trials", "expected"), [(None, 4), (2, 2), (4, 4)])
-def test_grid_trials_truncate(tmp_path: Path, write_scenario: WriteScenario, trials: int | None,
-                              expected: int) -> None:
+def test_grid_trials_take_a_prefix_of_the_seeded_order(tmp_path: Path, write_scenario: WriteScenario,
+                                                       trials: int | None, expected: int) -> None:
     parameters = {"a": {"type": "int", "low": 0, "high": 3}}
     scenario = _scenario(tmp_path, write_scenario, "grid", trials, parameters=parameters)
     points = designs.design_points(scenario)
-    assert points == [{"a": a} for a in range(expected)]
+    assert points == designs.grid_order(scenario)[:expected]
+    assert [designs.grid_points(scenario)[n] for n in designs.design_numbers(scenario) or ()] == points
+    assert sorted(point["a"] for point in designs.grid_order(scenario)) == [0, 1, 2, 3]
     assert designs.total_trials(scenario) == expected
+
+
+GRID_56 = {  # the tester's grid: 7 x 4 x 2 points
+    "x": {"type": "float", "low": -3, "high": 3, "step": 1},
+    "y": {"type": "float", "low": -4, "high": 2, "step": 2},
+    "kind": {"type": "categorical", "choices": ["a", "b"]},
+}
+
+
+def test_grid_below_its_size_spreads_over_the_grid(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Four of 56 points are a random subset, not the corner x=-3, y=-4 that the product starts with."""
+    four = designs.design_points(_scenario(tmp_path / "1", write_scenario, "grid", 4, parameters=GRID_56))
+    assert four is not None and len(four) == 4
+    assert len({repr(point) for point in four}) == 4
+    assert len({point["x"] for point in four}) > 1 and len({point["y"] for point in four}) > 1
+    whole = designs.grid_points(_scenario(tmp_path / "1", write_scenario, "grid", 4, parameters=GRID_56))
+    assert all(point in whole for point in four)
+
+
+def test_grid_order_is_seeded_and_raising_trials_extends_it(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Resuming with more trials, or with none (the whole grid), runs on along the same sequence."""
+    def points(folder: str, trials: int | None, seed: int = 1) -> list[dict[str, Any]]:
+        found = designs.design_points(_scenario(tmp_path / folder, write_scenario, "grid", trials, seed=seed,
+                                                parameters=GRID_56))
+        assert found is not None
+        return found
+
+    four, ten, whole = points("4", 4), points("10", 10), points("all", None)
+    assert ten[:4] == four and whole[:10] == ten and len(whole) == 56
+    assert sorted(map(repr, whole)) == sorted(map(repr, designs.grid_points(
+        _scenario(tmp_path / "all", write_scenario, "grid", None, parameters=GRID_56))))
+    assert points("again", 4) == four
+    assert points("other", 4, seed=2) != four
 
 
 def test_grid_needs_steps_and_enough_points(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -186,6 +223,7 @@ def test_csv_trials_take_the_first_rows(tmp_path: Path, write_scenario: WriteSce
         ("lr,units,momentum\n0.1,1,0\n", "design.csv: no column for parameter opt"),
         ("lr,lr,units,opt,momentum\n0.1,0.1,1,sgd,0\n", "design.csv: column lr appears twice in the header"),
         ("lr,units,opt,momentum\n0.1,1,sgd,0\n0.1,1\n", "design.csv line 3: 2 values for 4 columns"),
+        ("lr,units,opt,momentum\n0.1,1,sgd,0\n0.1\n", "design.csv line 3: 1 value for 4 columns"),
         ("lr,units,opt,momentum\n1.5,1,sgd,0\n", "design.csv line 2, column lr: 1.5 is outside [0, 1]"),
         ("lr,units,opt,momentum\n0.1,x,sgd,0\n", "design.csv line 2, column units: 'x' is not a number"),
         ("lr,units,opt,momentum\n0.1,2.5,sgd,0\n", "column units: '2.5' is not a whole number"),
@@ -203,7 +241,7 @@ def test_csv_errors_name_file_line_and_column(tmp_path: Path, write_scenario: Wr
 
 def test_csv_missing_file_and_too_many_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scenario = _csv_scenario(tmp_path / "1", write_scenario, "lr,units,opt,momentum\n0.1,1,adam,\n", trials=3)
-    with pytest.raises(InputError, match="search.trials: 3 trials exceed the 1 points of the csv design"):
+    with pytest.raises(InputError, match="search.trials: 3 trials exceed the 1 point of the csv design"):
         designs.design_points(scenario)
     scenario = _csv_scenario(tmp_path / "2", write_scenario, "")
     (tmp_path / "2" / "design.csv").unlink()
@@ -211,5 +249,39 @@ def test_csv_missing_file_and_too_many_trials(tmp_path: Path, write_scenario: Wr
         designs.design_points(scenario)
 
 
+def test_csv_with_a_byte_order_mark(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Excel's "CSV UTF-8" starts with a BOM; the header's first name is read without it."""
+    scenario = _csv_scenario(tmp_path, write_scenario, "")
+    text = "lr,units,opt,momentum\n0.1,10,adam,\n"
+    (tmp_path / "design.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert designs.design_points(scenario) == [{"lr": 0.1, "units": 10, "opt": "adam", "epochs": 3}]
+
+
+def test_csv_in_another_encoding_is_refused(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = _csv_scenario(tmp_path, write_scenario, "")
+    text = "lr,units,opt,momentum\n0.1,10,adam,\n0.2,20,adam,\u00e9\n"
+    (tmp_path / "design.csv").write_bytes(b"\xef\xbb\xbf" + text.encode("latin-1"))
+    with pytest.raises(InputError, match=r"design.csv line 3: not UTF-8 text \(byte 0xe9\); save it as CSV UTF-8"):
+        designs.design_points(scenario)
+
+
 def test_total_trials_uses_search_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
     assert designs.total_trials(_scenario(tmp_path, write_scenario, "smac", 12)) == 12
+
+
+def test_a_grid_resumed_in_another_order_runs_each_point_once(
+        tmp_path: Path, write_scenario: WriteScenario,
+        run_cli: Callable[..., Any]) -> None:
+    """A study begun under one order (another seed; a study begun when grids ran in their
+    natural order) goes on with the points not yet run, whatever their place in this order."""
+    parameters = {"a": {"type": "int", "low": 0, "high": 5}, "kind": {"type": "categorical", "choices": ["p", "q"]}}
+    path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"), parameters=parameters,
+                          search={"method": "grid", "trials": 5, "seed": 1},
+                          template_text="print('val_error={{ a }}')\n")
+    assert run_cli("run", path, cwd=tmp_path).returncode == 0
+    path.write_text(path.read_text().replace("seed: 1", "seed: 2").replace("trials: 5", "trials: 12"))
+    resumed = run_cli("run", path, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    exported = run_cli("export", path, cwd=tmp_path)
+    ran = [tuple(line.split(",")[2:4]) for line in exported.stdout.splitlines()[1:]]
+    assert sorted(ran) == sorted((str(a), kind) for a in range(6) for kind in "pq")

@@ -205,7 +205,7 @@ def test_history_of_a_real_small_study() -> None:
     assert data.best_held_out["test_error"] == tuple(rows[i].held_out["test_error"] for i in best_at)
     assert data.axis is not None and data.axis.scale == "linear" and not data.axis.clipped
     assert data.held_out_apart == ()
-    assert data.others == {} and data.top_reason is None
+    assert data.others == {} and data.commonest == ()
 
 
 def test_history_maximizes_too() -> None:
@@ -217,7 +217,7 @@ def test_history_with_no_completed_trial_names_the_commonest_reason() -> None:
     data = history_data(all_failed_rows(), "minimize", ("test_error",))
     assert data.axis is None and data.values == ()
     assert data.others == {Outcome.FAIL: (0, 1, 2, 3, 4, 5), Outcome.TIMEOUT: (6,)}
-    assert data.top_reason == (ARGPARSE_REASON, 6)
+    assert data.commonest == ((ARGPARSE_REASON, 6),)
     assert data.last_number == 6
 
 
@@ -253,7 +253,7 @@ def test_history_marks_the_trials_that_did_not_complete_by_state() -> None:
             expected.setdefault(Outcome(row.state), []).append(row.number)
     assert data.others == {state: tuple(numbers) for state, numbers in expected.items()}
     assert len(data.numbers) == 14
-    assert data.top_reason == ("exit code 1: RuntimeError: CUDA error: an illegal memory access was encountered", 3)
+    assert data.commonest == (("exit code 1: RuntimeError: CUDA error: an illegal memory access was encountered", 3),)
 
 
 def test_every_outcome_has_its_own_colour_and_meaning() -> None:
@@ -338,6 +338,71 @@ def test_draw_all_writes_every_chart_the_trials_allow(case: str, tmp_path: Path)
     assert [p.name for p in paths] == [f"{name}.png" for name in EXPECTED_FILES[case]]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
+    """The figures that charts save from now on, in order (each is still saved)."""
+    figures: list[Figure] = []
+    save = Figure.savefig
+
+    def keep(figure: Figure, path: Any, **options: Any) -> None:
+        figures.append(figure)
+        save(figure, path, **options)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def _visible_ticks(axis: Any, limits: tuple[float, float]) -> list[float]:
+    return [float(t) for t in axis.get_majorticklocs() if limits[0] <= t <= limits[1]]
+
+
+def test_one_completed_trial_gets_integer_trial_ticks_and_says_what_is_not_drawn(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    rows = [Row(0, "COMPLETE", {"optimizer": "sgd"}, 0.5)]
+    figures = saved_figures(monkeypatch)
+    with caplog.at_level("WARNING", logger="hpo.plots"):
+        paths = draw_all(study_of("one", rows), scenario("one", held_out=()), tmp_path, rows=rows)
+    assert [p.name for p in paths] == ["history.png", "states.png"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "importances.png, slice.png and parallel.png not drawn: they need 2 completed trials, and the study has 1"]
+    history, states = figures
+    trials = history.axes[-1]
+    assert _visible_ticks(trials.xaxis, trials.get_xlim()) == [0.0]
+    assert history.get_suptitle() == "one: val_error by trial (minimize; 1 trial, 1 completed)"
+    assert states.get_suptitle() == "one: how the 1 trial ended"
+    assert all(t.is_integer() for t in _visible_ticks(states.axes[0].xaxis, states.axes[0].get_xlim()))
+
+
+@pytest.mark.parametrize(("rows", "why"), [
+    ([Row(0, "FAIL", {"optimizer": "sgd"}, reason="exit code 3")], "they need 2 completed trials, and the study has none"),
+    ([Row(n, "COMPLETE", {"optimizer": "sgd"}, 0.5 - n / 10) for n in range(3)],
+     "no parameter took two values or more among the completed trials"),
+])
+def test_charts_that_compare_trials_say_once_why_they_are_not_drawn(
+        rows: list[Row], why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="hpo.plots"):
+        paths = draw_all(study_of("few", rows), scenario("few", held_out=()), tmp_path, rows=rows)
+    assert [p.name for p in paths] == ["history.png", "states.png"]
+    assert [r.getMessage() for r in caplog.records] == [f"importances.png, slice.png and parallel.png not drawn: {why}"]
+
+
+def test_failure_reasons_that_tie_are_all_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two reasons once each: neither is "the commonest"; five: three are listed and the rest counted."""
+    reasons = ["exit code 3: dataset shard missing", "exit code 1: ValueError: bad thing happened",
+               "killed after 3 s (resources.timeout)", "exit code 2: usage", "out of GPU memory"]
+    rows = [Row(n, "FAIL", {"optimizer": "sgd"}, reason=reason) for n, reason in enumerate(reasons[:2])]
+    data = history_data(rows, "minimize", ())
+    assert data.commonest == ((reasons[0], 1), (reasons[1], 1))
+    figures = saved_figures(monkeypatch)
+    draw_all(study_of("two", rows), scenario("two", held_out=()), tmp_path / "two", rows=rows)
+    text = "\n".join(t.get_text() for t in figures[0].axes[0].texts)
+    assert "commonest" not in text
+    assert f"2 reasons, 1× each:\n{reasons[0]}\n{reasons[1]}" in text
+    rows = [Row(n, "FAIL", {"optimizer": "sgd"}, reason=reason) for n, reason in enumerate(reasons)]
+    draw_all(study_of("five", rows), scenario("five", held_out=()), tmp_path / "five", rows=rows)
+    text = "\n".join(t.get_text() for t in figures[2].axes[0].texts)
+    assert text.endswith(f"5 reasons, 1× each:\n{reasons[0]}\n{reasons[1]}\n{reasons[2]}\nand 2 more")
 
 
 def test_draw_all_refuses_a_study_without_trials(tmp_path: Path) -> None:

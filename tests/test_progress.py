@@ -136,3 +136,31 @@ def test_the_live_view_gives_a_running_trials_share_of_its_gpu(tmp_path: Path, w
     out = io.StringIO()
     Console(file=out, width=200).print(view._render())
     assert any(line.split()[:3] == ["3", "1", "1"] and "(1/2)" in line for line in out.getvalue().splitlines())
+
+
+def test_trials_done_past_a_lowered_budget_are_said_plainly() -> None:
+    """``search.trials`` lowered below what ran: not ``6/2``, but the count and the budget reached."""
+    rows = [_row(n, 0.3 - n / 100) for n in range(6)]
+    line = summary_line(tally(rows, 2, "minimize"), "val_error")
+    assert line == "6 trials done (budget 2: reached): 6 complete.  best #5 val_error=0.25"
+    rows.append(_row(6, 0.1, rerun_of=5))
+    line = summary_line(tally(rows, 2, "minimize"), "val_error")
+    assert line.startswith("6 trials done and 1 rerun (budget 2: reached): 7 complete.")
+
+
+def test_the_view_says_a_lowered_budget_plainly(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    store = Store(load_scenario(write_scenario(tmp_path)), tuple(_row(n, 0.3) for n in range(6)))
+    out = io.StringIO()
+    with ProgressView(store, 2, "1 slot", Console(file=out, width=300)):  # type: ignore[arg-type]
+        pass
+    assert out.getvalue().splitlines() == [
+        "sweep demo: 6 trials done before this run (budget 2: reached); 1 slot",
+        "6 trials done (budget 2: reached): 6 complete.  best #0 val_error=0.3"]
+    live = ProgressView(store, 2, "1 slot", Console(file=io.StringIO()))  # type: ignore[arg-type]
+    shown = io.StringIO()
+    Console(file=shown, width=300).print(live._render())
+    assert shown.getvalue().startswith("6 done (budget 2: reached)  6 complete  0 failed")
+    normal = ProgressView(store, 8, "1 slot", Console(file=io.StringIO()))  # type: ignore[arg-type]
+    shown = io.StringIO()
+    Console(file=shown, width=300).print(normal._render())
+    assert shown.getvalue().startswith("6/8 done  6 complete  0 failed")

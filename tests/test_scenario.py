@@ -1,6 +1,7 @@
 """Loading, validating and freezing the scenario YAML."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from hpo import space
 from hpo.errors import InputError
 from hpo.launch import plan_slots, uses_torchrun
 from hpo.scenario import Objective, Resources, Search, load_scenario
@@ -138,6 +140,12 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         (_p("x", log=True), "parameters.x.low: a log-scaled parameter needs low > 0"),
         (_p("x", step=-1), "parameters.x.step: must be positive"),
         (_p("x", log=True, low=0.1, step=0.1), "parameters.x.step: a log-scaled"),
+        (_p("x", low=0, high=1, step=0.3),
+         "parameters.x.step: 0.3 does not divide the range [0, 1] (high 0.9 or 1.2 would)"),
+        (_p("x", low=0.1, high=0.75, step=0.1),
+         "parameters.x.step: 0.1 does not divide the range [0.1, 0.75] (high 0.7 or 0.8 would)"),
+        (_p("n", type="int", low=16, high=256, step=100),
+         "parameters.n.step: 100 does not divide the range [16, 256] (high 216 or 316 would)"),
         (_p("n", type="int", low=0.5, high=3), "parameters.n.low: an int parameter needs a whole"),
         (_p("n", type="int", low=1), "parameters.n.high: an int parameter needs low and high"),
         (_p("c", type="categorical", choices=["a", "a"]), "parameters.c.choices: values must be unique"),
@@ -204,6 +212,23 @@ def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteS
     assert message.startswith("scenario.yaml: ")
     assert expected in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("spec", [
+    {"type": "float", "low": 0.0, "high": 0.3, "step": 0.1},
+    {"type": "float", "low": 1e-4, "high": 0.5, "step": 1e-4},
+    {"type": "float", "low": -3, "high": 3, "step": 1},
+    {"type": "float", "low": 0.5, "high": 0.5, "step": 0.2},
+    {"type": "int", "low": 10, "high": 28, "step": 6},
+])
+def test_steps_that_divide_the_range_pass_and_optuna_keeps_them(tmp_path: Path, write_scenario: WriteScenario,
+                                                                spec: dict[str, Any]) -> None:
+    """A step accepted here is one Optuna takes as it is: no warning, the same high."""
+    params = load_scenario(write_scenario(tmp_path, parameters={"x": spec})).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distribution = space.distributions(params)["x"]
+    assert distribution.high == spec["high"]
 
 
 def test_empty_parameters_is_an_error(tmp_path: Path, write_scenario: WriteScenario) -> None:

@@ -191,8 +191,8 @@ def test_free_parameters_leave_out_constants() -> None:
                      0, 4, 10, id="normal-int"),
         pytest.param({"type": "int", "low": 0, "high": 10, "step": 2, "distribution": "normal", "mean": 3,
                       "std": 3}, 0, 4, 10, id="normal-int-step"),
-        pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.6, "distribution": "normal",
-                      "mean": 0.5, "std": 5}, 0.0, 0.6, 0.6, id="normal-float-step-stays-in-range"),
+        pytest.param({"type": "float", "low": 0.0, "high": 1.2, "step": 0.6, "distribution": "normal",
+                      "mean": 0.5, "std": 5}, 0.0, 0.6, 1.2, id="normal-float-step-stays-in-range"),
     ],
 )
 def test_from_unit_maps_0_half_1(spec: dict[str, Any], at_0: Any, at_half: Any, at_1: Any) -> None:
@@ -212,7 +212,7 @@ def test_from_unit_stays_in_range(u: float) -> None:
         "i": P(type="int", low=3, high=7),
         "il": P(type="int", low=2, high=64, log=True),
         "n": P(type="float", low=-1.0, high=1.0, distribution="normal", mean=0.0, std=2.0),
-        "ns": P(type="float", low=0.0, high=1.0, step=0.3, distribution="normal", mean=0.9, std=1.0),
+        "ns": P(type="float", low=0.0, high=0.9, step=0.3, distribution="normal", mean=0.9, std=1.0),
     }
     values = space.from_unit(params, np.full(len(params), u))
     for name, value in values.items():
