@@ -77,20 +77,26 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
 WORKDIR_OWNER = ".hpo-study"
 
 
-def _claim_workdir(ctx: Context, flag: str) -> None:
-    """Mark the workdir as the folder of this study's trials; an InputError if another study
-    marked it first (trial folders are named by number alone, so two studies would overwrite
-    each other's)."""
-    marker = ctx.workdir / WORKDIR_OWNER
+def _workdir_owner(ctx: Context, flag: str) -> str | None:
+    """The study whose trial folders the workdir holds (its marker), None where no study
+    marked it; an InputError naming ``flag`` where that is another study (trial folders are
+    named by number alone, so two studies would overwrite each other's). Writes nothing."""
     name = ctx.scenario.name
     try:
-        owner = marker.read_text().strip()
-    except FileNotFoundError:
-        marker.write_text(name + "\n")
-        return
+        owner = (ctx.workdir / WORKDIR_OWNER).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     if owner != name:
         raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {owner}; "
                          f"give study {name} a folder of its own")
+    return owner
+
+
+def _claim_workdir(ctx: Context, flag: str) -> None:
+    """Mark the workdir as the folder of this study's trials; an InputError if another study
+    marked it first (:func:`_workdir_owner`)."""
+    if _workdir_owner(ctx, flag) is None:
+        (ctx.workdir / WORKDIR_OWNER).write_text(ctx.scenario.name + "\n")
 
 
 def _store(ctx: Context) -> Any:
@@ -347,8 +353,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = _PipeConsole() if sys.stdout.isatty() else _PipeConsole(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
     names = _param_columns(scenario, rows, constants=False)
-    table = Table(title=f"{scenario.name}: trials {shown[0].number}-{shown[-1].number} of {len(rows)}"
-                  if shown else f"{scenario.name}: no trials yet", title_justify="left")
+    table = Table()
     running = any(row.gpus for row in shown)
     for column in ("trial", "state", *names, scenario.objective.metric, *scenario.objective.held_out, "seconds",
                    *(["GPUs"] if running else []), "reason"):
@@ -363,6 +368,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                       _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
                       seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), _reason(row))
     if shown:
+        console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
         console.print(table)
     console.print(summary_line(summary, scenario.objective.metric), highlight=False, soft_wrap=True)
     if best is not None:
@@ -370,14 +376,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _status_title(name: str, shown: Sequence[Any], total: int) -> str:
+    """``demo: trials 3-22 of 23`` (``demo: trial 0 of 1``): the line above the status table,
+    printed on its own so that it is not padded to the table's width."""
+    first, last = shown[0].number, shown[-1].number
+    return f"{name}: trial {first} of {total}" if first == last else f"{name}: trials {first}-{last} of {total}"
+
+
 def _running_since(ctx: Context, rows: Sequence[Any]) -> dict[int, float]:
-    """When each RUNNING one of ``rows`` started running (epoch seconds), read from the store."""
+    """When the process of each RUNNING one of ``rows`` started (epoch seconds), as its worker
+    recorded it on starting it (``at`` of :data:`hpo.store.SYS_STARTED`; not Optuna's
+    ``datetime_start``, which is when the trial was claimed, perhaps ahead of its slot). A
+    trial claimed but not started is WAITING and has none."""
+    from hpo.store import SYS_STARTED
+
     numbers = [row.number for row in rows if row.state == "RUNNING"]
     if not numbers:
         return {}
     store = _store(ctx)
-    starts = {number: store.trial(number).datetime_start for number in numbers}
-    return {number: start.timestamp() for number, start in starts.items() if start is not None}
+    starts = {number: (store.trial(number).system_attrs.get(SYS_STARTED) or {}).get("at") for number in numbers}
+    return {number: float(at) for number, at in starts.items() if isinstance(at, (int, float))}
 
 
 def _reason(row: Any) -> str:
@@ -433,6 +451,8 @@ def _csv(value: float | None) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one row per trial, in trial-number order, to -o FILE (or stdout)."""
+    from hpo.launch import plural
+
     ctx = _context(args)
     if args.output in (None, "-"):
         rows = _snapshot(ctx)
@@ -452,7 +472,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     rows = _snapshot(ctx)
     with _whole_file(target, "-o") as handle:
         count = export_rows(ctx, handle, rows)
-    print(f"wrote {count} trials to {target}")
+    print(f"wrote {plural(count, 'trial')} to {target}")
     return EXIT_OK
 
 
@@ -575,6 +595,9 @@ def cmd_best(args: argparse.Namespace) -> int:
     if target is not None:
         if not best.folder or not Path(best.folder).is_dir():
             raise InputError(f"--copy-to: trial {best.number}'s folder {best.folder or '(none)'} is gone")
+        if target.resolve().is_relative_to(Path(best.folder).resolve()):
+            raise InputError(f"--copy-to: {target} is inside trial {best.number}'s folder {best.folder}; "
+                             "copy it to a folder outside it")
         _made_folder(target, "--copy-to")
     held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
@@ -618,12 +641,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """Check the scenario, its design (CSV), templates and command without running anything."""
     from hpo import designs
     from hpo.engine import preflight
+    from hpo.launch import plural
     from hpo.render import Renderer
     from hpo.storage import optuna_url, reach
     from hpo.store import check_resume
 
     ctx = _context(args)
     scenario = ctx.scenario
+    _workdir_owner(ctx, "--workdir" if args.workdir else "workdir")
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
     cluster = scenario.resources.cluster
@@ -632,8 +657,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     reach(ctx.storage, create=False)
     _quiet_optuna()
     check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
-    print(f"ok: {scenario.name}: {len(scenario.parameters)} parameters, method {scenario.search.method}, "
-          f"{budget} trials, {where}")
+    print(f"ok: {scenario.name}: {plural(len(scenario.parameters), 'parameter')}, method {scenario.search.method}, "
+          f"{plural(budget, 'trial')}, {where}")
     print(f"store: {optuna_url(ctx.storage)}")
     if cluster is not None and cluster.address is not None:
         print(f"cluster: the Dask scheduler at {cluster.address} (not contacted)")
@@ -693,7 +718,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     try:
         server = make_server(args.host, args.port, wsgi(store.optuna_storage), handler_class=QuietHandler)
     except OSError as exc:
-        raise InputError(f"--port: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        raise InputError(f"{_serve_flag(exc)}: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") \
+            from None
     print(f"optuna-dashboard on http://{args.host}:{server.server_port}/dashboard/ (study {ctx.scenario.name}; "
           "it lists every study of the store); Ctrl-C ends it", flush=True)
 
@@ -706,6 +732,17 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     with server:
         server.serve_forever(poll_interval=0.2)
     return EXIT_OK
+
+
+def _serve_flag(exc: OSError) -> str:
+    """The flag to blame where a server cannot listen: ``--host`` where the host is what
+    fails (its name does not resolve, or it is no address of this machine), else ``--port``
+    (in use, or not allowed)."""
+    import errno
+    import socket
+
+    host_errors = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    return "--host" if isinstance(exc, socket.gaierror) or exc.errno in host_errors else "--port"
 
 
 @dataclass(frozen=True)
@@ -882,8 +919,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if getattr(args, "handler", None) is None:
-            parser.print_help(sys.stderr)
-            return EXIT_INPUT
+            raise InputError(f"a command is needed: {', '.join(c.name for c in COMMANDS)}; see hpo --help")
         if args.handler is cmd_worker or (args.handler is cmd_run and args.workers == 1):
             _start_forest_helper(args.scenario)
         if args.handler not in (cmd_status, cmd_export, cmd_best):  # these may answer from the row cache

@@ -313,12 +313,6 @@ def test_stop_of_a_finished_trial_after_a_run(misbehaving_sweep: tuple[Path, sub
     assert_input_error(run_cli("stop", path, "0"), "trial 0", "not running")
 
 
-def test_bare_hpo_prints_usage_and_exits_2(run_cli: RunCli) -> None:
-    result = run_cli()
-    assert result.returncode == 2
-    assert result.stderr.startswith("usage: hpo") and "run" in result.stderr and "HPO_GPUS" in result.stderr
-
-
 def test_version(run_cli: RunCli) -> None:
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("hpo 0.")

@@ -91,3 +91,45 @@ def test_gpus_a_worker_is_given_must_be_on_the_machine(tmp_path: Path, write_sce
                             capture_output=True, text=True, timeout=60, check=False)
     assert (worker.returncode, worker.stderr) == (
         2, "error: --gpus: GPU 5 is not on this machine (it has GPUs 0,1; HPO_GPUS overrides what nvidia-smi shows)\n")
+
+
+def test_validate_refuses_a_workdir_of_another_study_as_run_does(tmp_path: Path,
+                                                                 write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path)
+    workdir = tmp_path / "shared"
+    workdir.mkdir()
+    (workdir / ".hpo-study").write_text("quad\n")
+    refusal = f"error: --workdir: {workdir} holds the trial folders of study quad; give study demo a folder of its own\n"
+    for command in ("validate", "run"):
+        refused = run_hpo(command, scenario, "--workdir", workdir)
+        assert (refused.returncode, refused.stdout, refused.stderr) == (2, "", refusal), command
+    assert [p.name for p in workdir.iterdir()] == [".hpo-study"]
+    fresh = tmp_path / "fresh"
+    assert run_hpo("validate", scenario, "--workdir", fresh).returncode == 0
+    assert not fresh.exists()
+
+
+def test_bare_hpo_names_the_commands_in_one_line() -> None:
+    bare = run_hpo()
+    assert (bare.returncode, bare.stdout) == (2, "")
+    assert bare.stderr == ("error: a command is needed: run, worker, status, tail, stop, export, plot, best, "
+                           "validate, rerun, dashboard; see hpo --help\n")
+    helped = run_hpo("--help")
+    assert (helped.returncode, helped.stderr) == (0, "")
+    assert helped.stdout.startswith("usage: hpo") and "HPO_GPUS" in helped.stdout
+
+
+def test_argument_errors_are_one_line(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = str(write_scenario(tmp_path))
+    for args, said in [
+        (("run",), "error: hpo run: the following arguments are required: scenario\n"),
+        (("tail", scenario), "error: hpo tail: the following arguments are required: trial\n"),
+        (("nonsense",), ("error: hpo: argument COMMAND: invalid choice: 'nonsense' (choose from 'run', 'worker', "
+                         "'status', 'tail', 'stop', 'export', 'plot', 'best', 'validate', 'rerun', 'dashboard')\n")),
+        (("status", scenario, "--last", "0"), "error: hpo status: argument --last: must be at least 1, got 0\n"),
+        (("status", scenario, "--all", "--last", "2"),
+         "error: hpo status: argument --last: not allowed with argument --all\n"),
+        (("run", scenario, "extra"), "error: hpo: unrecognized arguments: extra\n"),
+    ]:
+        result = run_hpo(*args)
+        assert (result.returncode, result.stdout, result.stderr) == (2, "", said), args

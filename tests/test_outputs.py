@@ -9,6 +9,7 @@ import io
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ from conftest import cli_env, write_scenario_file
 from hpo.cli import describe_plan, main
 from hpo.launch import Slot
 from hpo.rows import gpu_cell
+from hpo.scenario import load_scenario
+from hpo.storage import storage_url
+from hpo.store import SYS_STARTED, StudyStore, scenario_text
 
 OMP_TEMPLATE = """\
 import os
@@ -191,3 +195,75 @@ def test_a_copy_of_the_best_trial_that_fails_midway_leaves_nothing(study: Path, 
     assert main(["best", str(study), "--copy-to", str(target)]) == 0
     assert (target / "train.py").read_text().startswith("from hpo.results import report")
     assert sorted(p.name for p in target.parent.iterdir()) == ["copy"]
+
+
+def test_status_counts_a_running_trial_from_the_start_of_its_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HPO_GPUS", "")
+    path = write_scenario_file(tmp_path)
+    scenario = load_scenario(path)
+    store = StudyStore(scenario, storage_url(scenario))
+    store.describe(scenario_text(path))
+    started, ahead = store.ask(), store.ask()  # both claimed now; only the first one's process starts
+    time.sleep(3.0)
+    store.set_system(started.number, SYS_STARTED, {"slot": 0, "gpus": "", "folder": "f", "at": time.time()})
+    lines = {line.split("│")[1].strip(): line for line in _status(path, capsys) if line.startswith("│ ")}
+    seconds = re.search(r"(\d+\.\d) \(running\)", lines[str(started.number)])
+    assert "RUNNING" in lines[str(started.number)] and seconds is not None and float(seconds[1]) < 2.0
+    assert "WAITING" in lines[str(ahead.number)] and "(running)" not in lines[str(ahead.number)]
+
+
+def test_piped_status_has_no_trailing_spaces(study: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _status(study, capsys)
+    assert lines[0] == "demo: trials 0-1 of 2"
+    assert [line for line in lines if line != line.rstrip()] == []
+    assert main(["status", str(study), "--last", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "demo: trial 1 of 2"
+
+
+def test_one_trial_is_said_in_the_singular(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HPO_GPUS", "")
+    scenario = write_scenario_file(tmp_path, drop=("parameters.opt",), search={"trials": 1})
+    assert main(["validate", str(scenario)]) == 0
+    assert capsys.readouterr().out.startswith("ok: demo: 1 parameter, method monte_carlo, 1 trial, 1 slot: ")
+    assert main(["run", str(scenario)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "results.csv"
+    assert main(["export", str(scenario), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"wrote 1 trial to {out}\n"
+
+
+def test_a_copy_of_the_best_trial_into_its_own_folder_is_refused(study: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["best", str(study)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    number, folder = said[0].split(":")[0].removeprefix("trial "), Path(said[-1].removeprefix("  folder: "))
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    for target in (folder / "copy", folder / "sub" / "copy"):
+        assert main(["best", str(study), "--copy-to", str(target)]) == 2
+        captured = capsys.readouterr()
+        refusal = f"error: --copy-to: {target} is inside trial {number}'s folder {folder}; copy it to a folder outside it\n"
+        assert (captured.out, captured.err) == ("", refusal)
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("host", "flag", "why"), [
+    ("nohost.invalid", "--host", None),
+    ("192.0.2.1", "--host", "Cannot assign requested address"),  # TEST-NET-1: no machine's own address
+    ("127.0.0.1", "--port", "Address already in use"),
+])
+def test_a_dashboard_that_cannot_listen_blames_the_host_or_the_port(host: str, flag: str, why: str | None,
+                                                                    study: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("optuna_dashboard")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["dashboard", str(study), "--host", host, "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"error: {flag}: cannot serve on {host}:{port}: ")
+    assert captured.err.count("\n") == 1
+    if why is not None:
+        assert captured.err.endswith(f": {why}\n")
