@@ -388,11 +388,11 @@ def _running_since(ctx: Context, rows: Sequence[Any]) -> dict[int, float]:
     recorded it on starting it (``at`` of :data:`hpo.store.SYS_STARTED`; not Optuna's
     ``datetime_start``, which is when the trial was claimed, perhaps ahead of its slot). A
     trial claimed but not started is WAITING and has none."""
-    from hpo.store import SYS_STARTED
-
     numbers = [row.number for row in rows if row.state == "RUNNING"]
     if not numbers:
         return {}
+    from hpo.store import SYS_STARTED  # imports Optuna, which a quiet store's status never needs
+
     store = _store(ctx)
     starts = {number: (store.trial(number).system_attrs.get(SYS_STARTED) or {}).get("at") for number in numbers}
     return {number: float(at) for number, at in starts.items() if isinstance(at, (int, float))}
