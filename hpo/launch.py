@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import difflib
+import errno
 import itertools
 import os
 import queue
@@ -30,13 +31,16 @@ from typing import Any
 
 import psutil
 
-from hpo.errors import InputError
+from hpo.errors import ExecutorUnavailable, InputError
 from hpo.scenario import Resources, Scenario
 
 TOKEN_ENV = "HPO_TRIAL_TOKEN"
 GPU_ENV = "HPO_GPUS"
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 KILL_GRACE_S = 5.0
+MACHINE_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
+"""Errors of a refused start that are a limit of the machine or of hpo's shell, not the trial's
+fault: the sweep stops, and the trial runs again on resume."""
 POLL_S = 0.05
 
 
@@ -376,17 +380,31 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
     after ``timeout`` seconds. Once the process has ended, its tree and every process that
     carries ``env``'s trial token are killed before this returns, so no trial process
     outlives it. ``duration_s`` is how long the process ran.
+
+    A log that cannot be written (a full disk) makes ``ended_by`` ``cannot write trial.log:
+    ...`` once the process has ended (its output is still read and handled); a start refused
+    for one of :data:`MACHINE_LIMITS` raises :class:`ExecutorUnavailable`.
     """
     start = time.monotonic()
-    with log_path.open("ab", buffering=0) as log:
+    try:
+        log = log_path.open("ab", buffering=0)
+    except OSError as exc:
+        if exc.errno in MACHINE_LIMITS:
+            raise ExecutorUnavailable(f"cannot open {log_path.name}: {exc.strerror} (a limit of this machine or "
+                                      "of hpo's shell, not the trial's fault)") from None
+        raise
+    with log:
         try:
             proc = subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 (prctl only)
         except OSError as exc:
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
+            if exc.errno in MACHINE_LIMITS:
+                raise ExecutorUnavailable(f"cannot start a trial's process: {exc.strerror} (a limit of this "
+                                          "machine or of hpo's shell, not the trial's fault)") from None
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)
-        output = _Output(log)
+        output = _Output(log, log_path.name)
         ended = threading.Event()
         reader = threading.Thread(target=_pump, args=(proc, output), daemon=True)
         handler = threading.Thread(target=_deliver, args=(output, on_lines, ended), daemon=True)
@@ -411,7 +429,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
             reader.join(timeout=KILL_GRACE_S)
             output.close()
             handler.join()
-    return ProcessResult(proc.returncode, ended_by, duration, proc.pid)
+    return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid)
 
 
 def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
@@ -425,11 +443,15 @@ def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
 
 class _Output:
     """A process's output on its way: each line written to the log at once and queued for
-    :func:`_deliver`, until :meth:`close` (a None in the queue marks the end)."""
+    :func:`_deliver`, until :meth:`close` (a None in the queue marks the end). A log that
+    cannot be written (a full disk, a file-size limit) is written no more, the lines still
+    queued, and :attr:`failure` says why (the trial fails, its process not held up)."""
 
-    def __init__(self, log: Any) -> None:
+    def __init__(self, log: Any, name: str) -> None:
         self.log = log
+        self.failure: str | None = None
         self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._name = name
         self._lock = threading.Lock()
         self._open = True
 
@@ -437,14 +459,21 @@ class _Output:
         """Log and queue one line; False once closed (the line is dropped)."""
         with self._lock:
             if self._open:
-                self.log.write(raw)
+                self._write(raw)
                 self.lines.put(raw.decode("utf-8", errors="replace"))
             return self._open
 
     def note(self, text: str) -> None:
         """Write one of hpo's own lines to the log."""
         with self._lock:
-            self.log.write(text.encode())
+            self._write(text.encode())
+
+    def _write(self, data: bytes) -> None:
+        if self.failure is None:
+            try:
+                self.log.write(data)
+            except OSError as exc:
+                self.failure = f"cannot write {self._name}: {exc.strerror or exc} (the output past it is lost)"
 
     def close(self) -> None:
         """Take no more lines."""

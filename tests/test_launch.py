@@ -1,7 +1,9 @@
 """Launching trials: argument lists, task slots with fake GPUs, and the process tree's lifetime."""
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -12,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from hpo.errors import InputError
+from hpo.errors import ExecutorUnavailable, InputError
 from hpo.launch import (
     GPU_ENV,
     TOKEN_ENV,
@@ -328,6 +330,41 @@ def test_runs_in_cwd_with_env(tmp_path: Path) -> None:
     result, lines = _run(tmp_path, "import os; print(os.getcwd(), os.environ['HPO_TEST_VALUE'])", env=env)
     assert result.exit_code == 0
     assert lines == [f"{tmp_path} 42\n"]
+
+
+def test_a_log_that_cannot_be_written_fails_the_trial_without_holding_it_up(tmp_path: Path) -> None:
+    """/dev/full refuses every write (ENOSPC), as a full disk or a file-size limit does: the
+    output is still read to its end and handled, and the trial ends when its process does."""
+    script = tmp_path / "child.py"
+    script.write_text("for i in range(20000):\n    print('y' * 1000)\nprint('val_error=0.5')\n")
+    lines: list[str] = []
+    began = time.monotonic()
+    result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), Path("/dev/full"), 60,
+                         lambda batch, running: lines.extend(batch), lambda: None)
+    assert time.monotonic() - began < 20
+    assert result.exit_code == 0 and len(lines) == 20001 and lines[-1] == "val_error=0.5\n"
+    assert result.ended_by == "cannot write full: No space left on device (the output past it is lost)"
+
+
+def test_a_start_refused_by_a_limit_of_the_machine_stops_the_sweep(tmp_path: Path) -> None:
+    """Too many open files in hpo's own process is no fault of the trial's: not a FAIL."""
+    script = tmp_path / "child.py"
+    script.write_text("print('val_error=0.5')\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        os.close(held.pop())  # room for the log, none for the process's pipes
+        with pytest.raises(ExecutorUnavailable, match="cannot start a trial's process: Too many open files"):
+            run_process([sys.executable, str(script)], tmp_path, dict(os.environ), tmp_path / "trial.log", 30,
+                        lambda batch, running: None, lambda: None)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_bad_callback_does_not_stop_the_log(tmp_path: Path) -> None:
