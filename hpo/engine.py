@@ -56,6 +56,7 @@ def _quiet_step_warnings() -> None:
     warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
 
 CLAIM_POLL_S = 1.0
+STOPPING_STORE_RETRY_S = 10.0  # once stopping, how long a failing store call still retries
 
 
 @dataclass(frozen=True)
@@ -223,8 +224,10 @@ class Sweep:
         self._found_gone(store.locked(section))
 
     def stop(self) -> None:
-        """End running trials (they run again on resume) and claim no more."""
+        """End running trials (they run again on resume) and claim no more; a store call
+        failing through an outage gives up within :data:`STOPPING_STORE_RETRY_S`."""
         self._stopping.set()
+        self.store.call.hurry(STOPPING_STORE_RETRY_S)
 
     @property
     def stopping(self) -> bool:

@@ -453,7 +453,18 @@ class Retrying:
         self._before_attempt = before_attempt
         self._down_since: float | None = None
         self._up_since = float("-inf")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: hurry() may run in a signal handler of a thread that holds it
+        self._hurry_until = float("inf")
+        self._wake = threading.Event()
+
+    def hurry(self, within_s: float) -> None:
+        """From now on, a call gives up (:class:`StoreUnavailable`) once it has failed for
+        ``within_s`` more seconds, whatever ``deadline_s`` says: the sweep is stopping, and
+        what it still records is kept in the trials' folders anyway (recorded on resume)."""
+        with self._lock:
+            self._hurry_until = min(self._hurry_until, time.monotonic() + within_s)
+            waking, self._wake = self._wake, threading.Event()
+        waking.set()
 
     @property
     def healthy_since(self) -> float | None:
@@ -485,10 +496,14 @@ class Retrying:
                         self._down_since = time.monotonic()
                         self._on_outage(f"the store {self._url} is not answering ({first_line[:160]}); "
                                         f"retrying for up to {self._deadline_s:g} s")
-                if elapsed >= self._deadline_s:
+                with self._lock:
+                    left = min(self._deadline_s - elapsed, self._hurry_until - time.monotonic())
+                    hurried, wake = self._hurry_until < float("inf"), self._wake
+                if left <= 0:
+                    why = "the sweep is stopping" if hurried else "resources.store_retry"
                     raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "
-                                           f"(resources.store_retry): {first_line[:200]}") from None
-                time.sleep(min(pause, max(0.0, self._deadline_s - elapsed)))
+                                           f"({why}): {first_line[:200]}") from None
+                wake.wait(min(pause, left))
                 pause = min(pause * 2, MAX_PAUSE_S)
                 continue
             with self._lock:

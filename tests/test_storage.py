@@ -346,6 +346,27 @@ def test_retrying_gives_up_after_its_deadline_with_one_line() -> None:
     assert time.monotonic() - began < 5
 
 
+def test_a_hurried_call_gives_up_soon_even_in_the_middle_of_its_pause() -> None:
+    """A sweep stopped (SIGTERM) through an outage ends in seconds, not resources.store_retry."""
+    call = Retrying("sqlite:///x.db", deadline_s=300, on_outage=lambda message: None)
+    raised: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            call(_Flaky(10**6), 1)
+        except StoreUnavailable as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    time.sleep(2.0)  # by now it pauses up to MAX_PAUSE_S between tries
+    began = time.monotonic()
+    call.hurry(0.5)
+    thread.join(10)
+    assert time.monotonic() - began < 2.0
+    assert len(raised) == 1 and "(the sweep is stopping)" in str(raised[0])
+
+
 def test_retrying_passes_other_errors_through() -> None:
     call = Retrying("sqlite:///x.db", deadline_s=30)
 
