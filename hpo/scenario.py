@@ -110,6 +110,9 @@ def _only(param: Param, what: str, allowed: bool, fields: tuple[str, ...],
         raise ValueError("distribution: only int and float parameters take a distribution")
 
 
+LARGEST_EXACT_INT = 2**53  # every whole number below it is a float exactly (YAML's and Optuna's numbers)
+
+
 def _check_numeric(p: Param) -> None:
     if p.low is None or p.high is None:
         raise ValueError(f"{'low' if p.low is None else 'high'}: an {p.type} parameter needs low and high")
@@ -120,6 +123,9 @@ def _check_numeric(p: Param) -> None:
             value = getattr(p, name)
             if value is not None and float(value) != int(value):
                 raise ValueError(f"{name}: an int parameter needs a whole number, got {value:g}")
+            if value is not None and abs(value) >= LARGEST_EXACT_INT:
+                raise ValueError(f"{name}: whole numbers from 2**53 on are not held exactly (YAML and the study "
+                                 f"read them as floats); keep it within ±{LARGEST_EXACT_INT - 1}")
     if p.log and p.low <= 0:
         raise ValueError(f"low: a log-scaled parameter needs low > 0, got {p.low:g}")
     if p.step is not None:

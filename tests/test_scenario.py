@@ -147,6 +147,8 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         (_p("n", type="int", low=16, high=256, step=100),
          "parameters.n.step: 100 does not divide the range [16, 256] (high 216 or 316 would)"),
         (_p("n", type="int", low=0.5, high=3), "parameters.n.low: an int parameter needs a whole"),
+        (_p("n", type="int", low=9007199254740993, high=9007199254740995),
+         "parameters.n.low: whole numbers from 2**53 on are not held exactly"),
         (_p("n", type="int", low=1), "parameters.n.high: an int parameter needs low and high"),
         (_p("c", type="categorical", choices=["a", "a"]), "parameters.c.choices: values must be unique"),
         (_p("c", type="categorical", choices=["a"], low=0), "parameters.c.low: only int and float"),
