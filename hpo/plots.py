@@ -27,6 +27,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,7 +36,7 @@ import matplotlib.style
 import numpy as np
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, Locator, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 from hpo.errors import InputError
 from hpo.outcome import Outcome
@@ -56,6 +57,11 @@ FEW_TRIALS = 10
 OUTLIER_LABELS = 5
 LABEL_INCHES = 0.55
 LOG_SUBS = ((1.0, 2.0, 5.0), (1.0, 3.0), (1.0,))
+TINY = 1e-200
+CATEGORY_CHARS = 20
+SLICE_PAD = 0.05
+LABEL_GAP = 0.08
+FEWER_TICKS = (6, 4, 3, 2, 1)
 MANY_LINES = 200
 HELD_OUT_PANEL = "held out: "
 REASONS_LISTED = 3
@@ -507,24 +513,164 @@ def draw_importances(data: Importances, study: str, path: Path) -> Path:
         return _save(figure, path)
 
 
+def _log_locator(low: float, high: float, room: int) -> Locator:
+    """Ticks for a log axis from ``low`` to ``high`` with ``room`` labels: at 1, 2 and 5 times powers of ten,
+    or fewer of them (1 and 3, powers of ten, every few powers of ten) until at most ``room`` fit, at least two;
+    evenly spaced ones on a range too short to hold two powers of ten."""
+    for subs in LOG_SUBS:
+        locator = LogLocator(base=10, subs=subs, numticks=room)
+        if 2 <= sum(low <= t <= high for t in locator.tick_values(low, high)) <= room:
+            return locator
+    locator = LogLocator(base=10, subs=(1.0,), numticks=room)
+    return locator if sum(low <= t <= high for t in locator.tick_values(low, high)) >= 2 else MaxNLocator(room)
+
+
+def _compact(value: float) -> str:
+    """``value`` as ``:g`` writes it, an exponent without its plus sign and leading zeros (``1e6``, ``1e-9``)."""
+    mantissa, _, exponent = f"{value:g}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
+
+
 def _tidy_axis(axis: Any, limits: tuple[float, float], integer: bool, inches: float) -> None:
-    """Readable ticks on an axis ``inches`` long: on a log axis plain numbers at 1, 2 and 5 times powers of
-    ten, or fewer of them until they fit, unlabelled minor ticks; on an integer parameter's axis whole numbers."""
+    """Readable ticks on an axis ``inches`` long: on a log axis plain numbers (:func:`_log_locator`) and
+    unlabelled minor ticks; on an integer parameter's axis whole numbers."""
     low, high = sorted(limits)
     if axis.get_scale() == "log" and low > 0:
-        room = max(2, int(inches / LABEL_INCHES))
-        for subs in LOG_SUBS:
-            ticks = [t for t in LogLocator(base=10, subs=subs, numticks="auto").tick_values(low, high)
-                     if low <= t <= high]
-            if len(ticks) <= room:
-                axis.set_major_locator(LogLocator(base=10, subs=subs, numticks="auto"))
-                break
-        else:
-            axis.set_major_locator(LogLocator(base=10, subs=(1.0,), numticks=room))
-        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_major_locator(_log_locator(low, high, max(2, int(inches / LABEL_INCHES))))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: _compact(value)))
         axis.set_minor_formatter(NullFormatter())
     elif integer and axis.get_scale() == "linear":
         axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
+class _InUnits(ScalarFormatter):
+    """Tick labels of an axis drawn in units of ``10**exponent``: the ticks' numbers, and the unit as the
+    axis's offset text (``1e-301``), as matplotlib writes a large axis's."""
+
+    def __init__(self, exponent: int) -> None:
+        super().__init__(useOffset=False)
+        self.set_scientific(False)
+        self.exponent = exponent
+
+    def get_offset(self) -> str:
+        """The unit, written like matplotlib's own offset text."""
+        return f"1e{self.exponent}"
+
+
+def _tiny_spans(study: optuna.Study, params: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """The lowest and highest value, among the completed trials with a finite value, of each of ``params``
+    whose values are numbers all within ±:data:`TINY` and not all zero: too close to zero for matplotlib,
+    which draws such a range as -0.05..0.05."""
+    from optuna.trial import TrialState
+
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+              if t.value is not None and math.isfinite(t.value)]
+    spans = {}
+    for name in params:
+        values = [t.params[name] for t in trials if name in t.params]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < TINY for v in values) \
+                and any(values):
+            spans[name] = (float(min(values)), float(max(values)))
+    return spans
+
+
+def _in_units(axis: Any, span: tuple[float, float], pad: float) -> None:
+    """Draw a linear axis whose values span ``span``, all within ±:data:`TINY`, in units of the power of ten
+    of the largest: the points of its axes divided by the unit, limits the span plus ``pad`` of it each side,
+    ticks labelled in units, the unit as the offset text (:class:`_InUnits`)."""
+    exponent = math.floor(math.log10(max(abs(v) for v in span)))
+    unit = 10.0 ** exponent
+    column = 0 if axis.axis_name == "x" else 1
+    for points in axis.axes.collections:
+        offsets = np.array(points.get_offsets(), dtype=float).reshape(-1, 2)
+        offsets[:, column] /= unit
+        points.set_offsets(offsets)
+    low, high = span[0] / unit, span[1] / unit
+    margin = (high - low) * pad
+    getattr(axis.axes, f"set_{axis.axis_name}lim")(low - margin, high + margin)
+    axis.set_major_locator(MaxNLocator())
+    axis.set_major_formatter(_InUnits(exponent))
+
+
+def _shortened(labels: Sequence[str], width: int = CATEGORY_CHARS) -> list[str]:
+    """``labels`` with each longer than ``width`` characters cut in its middle to ``width``, an ellipsis
+    marking the cut; where that makes two alike, cut to the least greater width that keeps them apart."""
+    for room in range(width, max(map(len, labels), default=0) + 1):
+        head = room // 2
+        cut = [label if len(label) <= room else f"{label[:head]}…{label[len(label) - room + head + 1:]}"
+               for label in labels]
+        if len(set(cut)) == len(set(labels)):
+            return cut
+    return list(labels)
+
+
+def _shorten_categories(axis: Any) -> None:
+    """The categorical tick labels of ``axis`` :func:`_shortened`, at their places."""
+    ticks = list(axis.get_majorticklocs())
+    axis.set_ticks(ticks, _shortened(axis.get_major_formatter().format_ticks(ticks)))
+
+
+def _drawn_labels(axis: Any) -> list[Any]:
+    """The tick labels that ``axis`` draws: visible, not empty, at a tick within its limits."""
+    low, high = sorted(axis.get_view_interval())
+    along = 0 if axis.axis_name == "x" else 1
+    return [label for label in axis.get_ticklabels()
+            if label.get_visible() and label.get_text() and low <= label.get_position()[along] <= high]
+
+
+def _crowded(axis: Any, low: float, high: float) -> bool:
+    """Whether the tick labels ``axis`` draws overlap one another or reach out of ``low``..``high`` (display x)."""
+    spans = sorted((box.x0, box.x1) for box in (label.get_window_extent() for label in _drawn_labels(axis)))
+    return bool(spans) and (spans[0][0] < low or spans[-1][1] > high
+                            or any(left[1] > right[0] for left, right in pairwise(spans)))
+
+
+def _uncrowd(figure: Any, panels: Sequence[Any]) -> None:
+    """Make the x tick labels of each of ``panels`` stop overlapping one another or reaching past halfway
+    to the next axes (a panel or the colour bar) on either side: fewer ticks where matplotlib's locators
+    place them (not at categories), else labels turned upright."""
+    figure.draw_without_rendering()
+    for ax in panels:
+        box = ax.get_window_extent()
+        others = [other.get_window_extent() for other in figure.axes if other is not ax]
+        left = (max((other.x1 for other in others if other.x1 <= box.x0), default=-math.inf) + box.x0) / 2
+        right = (min((other.x0 for other in others if other.x0 >= box.x1), default=math.inf) + box.x1) / 2
+        low, high = sorted(ax.get_xlim())
+        for count in FEWER_TICKS:
+            locator = ax.xaxis.get_major_locator()
+            if not _crowded(ax.xaxis, left, right):
+                break
+            if isinstance(locator, MaxNLocator):
+                locator.set_params(nbins=count)
+            elif isinstance(locator, LogLocator):
+                ax.xaxis.set_major_locator(_log_locator(low, high, max(2, count)))
+            else:
+                break
+            figure.draw_without_rendering()
+        if _crowded(ax.xaxis, left, right):
+            ax.tick_params(axis="x", labelrotation=90)
+
+
+def _widen_for_labels(figure: Any, axes: Sequence[Any]) -> None:
+    """Widen a parallel-coordinates figure until each axis's tick labels and offset text end before the
+    next axis (or the colour bar): ``axes`` are the twins, one per axis, whose right spines are the axes;
+    their offset texts (like ``1e15``) are moved from the figure's right edge to the top of their axis."""
+    for ax in axes:
+        ax.yaxis.offsetText.set_x(ax.spines["right"].get_position()[1])
+        ax.yaxis.offsetText.set_horizontalalignment("left")
+    figure.draw_without_rendering()
+    spines = sorted((ax.spines["right"].get_window_extent().x0, ax) for ax in axes)
+    bars = [ax.get_window_extent().x0 for ax in figure.axes if ax.get_label() == "<colorbar>"]
+    ends = [x for x, _ in spines[1:]] + [min(bars, default=figure.bbox.x1)]
+    need = 1.0
+    for (x, ax), end in zip(spines, ends):
+        texts = [*_drawn_labels(ax.yaxis), ax.yaxis.offsetText]
+        reach = max((text.get_window_extent().x1 for text in texts if text.get_text()), default=x)
+        if end > x:
+            need = max(need, (reach - x + LABEL_GAP * figure.dpi) / (end - x))
+    if need > 1.0:
+        width, height = figure.get_size_inches()
+        figure.set_size_inches(width * need, height)
 
 
 def _recolour(figure: Any, cmap: str) -> None:
@@ -537,11 +683,26 @@ def _recolour(figure: Any, cmap: str) -> None:
                     artist.colorbar.update_normal(artist)
 
 
+@dataclass(frozen=True)
+class _Kinds:
+    """What tidying an Optuna chart's axes needs of the parameters drawn.
+
+    Args:
+        integers: the int parameters (whole-number ticks).
+        categories: the categorical ones (labels shortened).
+        tiny: the range of those whose values lie within ±TINY (drawn in units: :func:`_in_units`).
+    """
+
+    integers: frozenset[str]
+    categories: frozenset[str]
+    tiny: Mapping[str, tuple[float, float]]
+
+
 class _OptunaChart:
     """One of Optuna's matplotlib charts, drawn, titled, tidied and saved."""
 
-    def __init__(self, draw: Callable[[], Any], title: str, integers: frozenset[str], cmap: str) -> None:
-        self.draw, self.title, self.integers, self.cmap = draw, title, integers, cmap
+    def __init__(self, draw: Callable[[], Any], title: str, kinds: _Kinds, cmap: str) -> None:
+        self.draw, self.title, self.kinds, self.cmap = draw, title, kinds, cmap
 
     def save(self, path: Path, prepare: Callable[[list[Any]], None] = lambda axes: None,
              finish: Callable[[list[Any]], None] = lambda axes: None) -> Path | None:
@@ -572,6 +733,16 @@ class _OptunaChart:
                 plt.close(figure)
         return path
 
+    def _tidy_param(self, axis: Any, name: str | None, limits: tuple[float, float], inches: float,
+                    pad: float) -> None:
+        """Ticks for the axis of parameter ``name`` (None: not a parameter's), ``pad`` of its span beyond its values."""
+        if name in self.kinds.tiny:
+            _in_units(axis, self.kinds.tiny[name], pad)
+        elif name in self.kinds.categories:
+            _shorten_categories(axis)
+        else:
+            _tidy_axis(axis, limits, name in self.kinds.integers, inches)
+
     def _tidy(self, figure: Any, axes: list[Any]) -> None:
         for ax in axes:
             ax.set_title("")
@@ -582,12 +753,18 @@ class _OptunaChart:
         width, height = figure.get_size_inches()
         for ax in figure.axes:
             box = ax.get_position()
-            _tidy_axis(ax.xaxis, ax.get_xlim(), ax.get_xlabel() in self.integers, box.width * width)
-            position = ax.spines["right"].get_position()
-            on_axes = isinstance(position, tuple) and position[0] == "axes" and len(names) > 1
-            index = round(position[1] * (len(names) - 1)) if on_axes else None
-            integer = index is not None and 0 <= index < len(names) and names[index] in self.integers
-            _tidy_axis(ax.yaxis, ax.get_ylim(), integer, box.height * height)
+            self._tidy_param(ax.xaxis, ax.get_xlabel(), ax.get_xlim(), box.width * width, SLICE_PAD)
+            self._tidy_param(ax.yaxis, _parallel_name(ax, names), ax.get_ylim(), box.height * height, 0.0)
+
+
+def _parallel_name(ax: Any, names: Sequence[str]) -> str | None:
+    """The parameter whose axis ``ax`` is in a parallel-coordinates chart of ``names`` (a twin whose right
+    spine stands at the parameter's place), else None."""
+    position = ax.spines["right"].get_position()
+    if not (isinstance(position, tuple) and position[0] == "axes" and len(names) > 1):
+        return None
+    index = round(position[1] * (len(names) - 1))
+    return names[index] if 0 <= index < len(names) else None
 
 
 def _thin_lines(axes: list[Any]) -> None:
@@ -610,7 +787,9 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
     from optuna.visualization import matplotlib as ov
 
     metric, name = scenario.objective.metric, scenario.name
-    integers = frozenset(n for n in params if scenario.parameters[n].type == "int")
+    kinds = _Kinds(frozenset(n for n in params if scenario.parameters[n].type == "int"),
+                   frozenset(n for n in params if scenario.parameters[n].type == "categorical"),
+                   _tiny_spans(study, params))
     good_dark = "viridis" if scenario.objective.direction == "minimize" else "viridis_r"
 
     def slice_axes(axes: list[Any]) -> None:
@@ -622,20 +801,29 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
                     points.set_linewidth(0)
         axes[0].set_ylabel(axis.label(metric))
 
+    def slice_finish(axes: list[Any]) -> None:
+        _uncrowd(axes[0].figure, axes)
+
+    def parallel_finish(axes: list[Any]) -> None:
+        _thin_lines(axes)
+        figure = axes[0].figure
+        names = [label.get_text() for label in axes[0].get_xticklabels()]
+        _widen_for_labels(figure, [ax for ax in figure.axes if _parallel_name(ax, names) is not None])
+
     slice_chart = _OptunaChart(
         lambda: ov.plot_slice(study, params=params, target=None if axis.scale == "log" else (
             lambda t: axis.clip(float(t.value))), target_name=axis.label(metric)),
         f"{name}: {metric} against each parameter ({_plural(trials, 'completed trial')}; colour: trial number)",
-        integers, "viridis")
+        kinds, "viridis")
     measured = f"log10({metric})" if axis.scale == "log" else metric
     clipped = f"; {axis.note}" if axis.clipped else ""
     parallel_chart = _OptunaChart(
         lambda: ov.plot_parallel_coordinate(study, params=params, target=lambda t: axis.target(float(t.value)),
                                             target_name=measured),
         f"{name}: parameters of the {_plural(trials, 'completed trial')} (colour: {measured}, best darkest{clipped})",
-        integers, good_dark)
-    paths = [slice_chart.save(folder / "slice.png", slice_axes),
-             parallel_chart.save(folder / "parallel.png", finish=_thin_lines)]
+        kinds, good_dark)
+    paths = [slice_chart.save(folder / "slice.png", slice_axes, slice_finish),
+             parallel_chart.save(folder / "parallel.png", finish=parallel_finish)]
     return [p for p in paths if p is not None]
 
 

@@ -458,3 +458,137 @@ def test_importances_cover_a_study_resumed_with_widened_ranges() -> None:
     assert axis is not None
     data = importance_data(study, ["x", "k", "c"], "val_error", axis, seed=1)
     assert data is not None and data.params[0] == "x" and data.trials == 12
+
+
+LONG_CHOICES = ("x" * 135 + " long", "x" * 135 + " lung")
+ODD_CHOICES = ("a b c", 'quote"d', "it's", "ünï©ødé ✓", "comma,semi;colon", *LONG_CHOICES, "=eq=", "", " lead")
+ODD_PARAMETERS = {
+    "lr": Param(type="float", low=1e-10, high=1e10, log=True),
+    "big": Param(type="int", low=1, high=10 ** 12, log=True),
+    "café": Param(type="float", low=-1e-300, high=1e-300),
+    "choice": Param(type="categorical", choices=ODD_CHOICES),
+    "prec": Param(type="float", low=0.1, high=0.9),
+}
+
+
+def odd_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[optuna.Study, dict[str, Figure]]:
+    """Thirty trials over 20 decades, 12 decades, ±1e-300 and a 140-character choice; their saved
+    slice and parallel figures."""
+    study = optuna.create_study(study_name="odd", sampler=optuna.samplers.RandomSampler(seed=3))
+    study.optimize(lambda t: abs(t.suggest_float("prec", 0.1, 0.9) - 0.5) + 0 * (
+        t.suggest_float("lr", 1e-10, 1e10, log=True) + t.suggest_int("big", 1, 10 ** 12, log=True)
+        + t.suggest_float("café", -1e-300, 1e-300) + len(t.suggest_categorical("choice", ODD_CHOICES))), n_trials=30)
+    odd = Scenario(name="odd", command=("python", "t.py"), parameters=ODD_PARAMETERS,
+                   search=Search(method="monte_carlo", trials=30, seed=7),
+                   objective=Objective(metric="val_error", direction="minimize"), path=Path("/project/odd.yaml"))
+    figures = saved_figures(monkeypatch)
+    paths = draw_all(study, odd, tmp_path)
+    return study, {path.stem: figure for path, figure in zip(paths, figures)}
+
+
+def slice_panel(figure: Figure, name: str) -> Any:
+    """The slice chart's panel of parameter ``name``."""
+    return next(ax for ax in figure.axes if ax.get_xlabel() == name)
+
+
+def parallel_axis(figure: Figure, name: str) -> Any:
+    """The parallel chart's axis of parameter ``name`` (a twin of the first axes, its spine at its place)."""
+    names = [label.get_text() for label in figure.axes[0].get_xticklabels()]
+    place = names.index(name) / (len(names) - 1)
+    return next(ax.yaxis for ax in figure.axes[1:]
+                if ax.spines["right"].get_position() == ("axes", pytest.approx(place)))
+
+
+def shown_labels(axis: Any) -> list[tuple[float, str]]:
+    """The tick locations and labels that ``axis`` draws (within its limits, labelled)."""
+    low, high = sorted(axis.get_view_interval())
+    ticks = [float(t) for t in axis.get_majorticklocs()]
+    texts = axis.get_major_formatter().format_ticks(ticks)
+    return [(t, text) for t, text in zip(ticks, texts) if low <= t <= high and text]
+
+
+def values_of(study: optuna.Study, name: str) -> list[float]:
+    return [t.params[name] for t in study.trials]
+
+
+def test_log_axes_over_many_decades_get_labelled_powers_of_ten(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    _, figures = odd_study(tmp_path, monkeypatch)
+    for name in ("lr", "big"):
+        for axis in (slice_panel(figures["slice"], name).xaxis, parallel_axis(figures["parallel"], name)):
+            assert axis.get_scale() == "log"
+            shown = shown_labels(axis)
+            assert len(shown) >= 3, (name, shown)
+            assert all(text == f"1e{math.log10(t):.0f}" if abs(t) >= 1e5 or abs(t) < 1e-4 else text == f"{t:g}"
+                       for t, text in shown), shown
+            assert all(math.log10(t).is_integer() for t, _ in shown)
+
+
+def test_a_range_within_1e_300_is_drawn_in_units_of_a_power_of_ten(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    study, figures = odd_study(tmp_path, monkeypatch)
+    values = values_of(study, "café")
+    exponent = math.floor(math.log10(max(abs(v) for v in values)))
+    unit = 10.0 ** exponent
+    panel = slice_panel(figures["slice"], "café")
+    twin = parallel_axis(figures["parallel"], "café")
+    for axis in (panel.xaxis, twin):
+        figures["slice"].draw_without_rendering()
+        figures["parallel"].draw_without_rendering()
+        assert axis.get_offset_text().get_text() == f"1e{exponent}"
+        shown = shown_labels(axis)
+        assert len(shown) >= 3
+        assert all(float(text.replace("\N{MINUS SIGN}", "-")) == pytest.approx(t) for t, text in shown)
+    assert twin.get_view_interval() * unit == pytest.approx([min(values), max(values)])
+    low, high = panel.get_xlim()
+    assert low * unit < min(values) and max(values) < high * unit
+    points = panel.collections[0].get_offsets()[:, 0] * unit
+    assert sorted(points) == pytest.approx(sorted(values))
+
+
+def _boxes(axis: Any) -> list[Any]:
+    """Where the tick labels that ``axis`` draws are (those within its limits)."""
+    low, high = sorted(axis.get_view_interval())
+    along = 0 if axis.axis_name == "x" else 1
+    return [label.get_window_extent() for label in axis.get_ticklabels()
+            if label.get_visible() and label.get_text() and low <= label.get_position()[along] <= high]
+
+
+def test_long_categories_are_shortened_distinct_and_overlap_nothing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _, figures = odd_study(tmp_path, monkeypatch)
+    slices, parallel = figures["slice"], figures["parallel"]
+    slices.draw_without_rendering()
+    texts = [text for _, text in shown_labels(slice_panel(slices, "choice").xaxis)]
+    assert len(texts) == len(set(texts)) == len(ODD_CHOICES)
+    assert max(len(text) for text in texts) <= 20 and "'a b c'" in texts
+    panels = [ax for ax in slices.axes if ax.get_xlabel()]
+    everything = [(ax, box) for ax in panels for box in _boxes(ax.xaxis)]
+    for ax, box in everything:
+        assert not any(box.overlaps(other) for other_ax, other in everything if other is not box)
+        assert not any(box.overlaps(other.bbox) for other in slices.axes if other is not ax)
+    parallel.draw_without_rendering()
+    axis = parallel_axis(parallel, "choice")
+    texts = axis.get_major_formatter().format_ticks(axis.get_majorticklocs())
+    assert len(texts) == len(set(texts)) == len(ODD_CHOICES)
+    assert max(len(text) for text in texts) <= 20 and "a b c" in texts
+    names = [label.get_text() for label in parallel.axes[0].get_xticklabels()]
+    colour_bar = next(ax for ax in parallel.axes if ax.get_label() == "<colorbar>")
+    spines = [parallel_axis(parallel, name).axes.spines["right"].get_window_extent().x0 for name in names[1:]]
+    ends = [*spines[1:], colour_bar.get_window_extent().x0]
+    for name, end in zip(names[1:], ends):
+        right = max(box.x1 for box in _boxes(parallel_axis(parallel, name)))
+        assert right < end, name
+
+
+def test_normal_charts_keep_their_size_and_upright_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    study, rows = digits_study()
+    figures = saved_figures(monkeypatch)
+    draw_all(study, scenario(), tmp_path, rows=rows)
+    slices, parallel = figures[-2:]
+    assert [label.get_rotation() for label in slice_panel(slices, "optimizer").get_xticklabels()] == [0.0, 0.0]
+    assert [text for _, text in shown_labels(slice_panel(slices, "optimizer").xaxis)] == ["'sgd'", "'adam'"]
+    assert [text for _, text in shown_labels(parallel_axis(parallel, "optimizer"))] == ["sgd", "adam"]
+    assert [text for _, text in shown_labels(parallel_axis(parallel, "lr"))] == ["0.002", "0.005", "0.01", "0.02",
+                                                                                  "0.05"]
+    assert parallel.get_size_inches()[0] == pytest.approx(9)
