@@ -433,7 +433,10 @@ class Sweep:
         (judged it lost while this worker could not beat), marking it so: None while it runs,
         or when that worker recorded ``result`` itself from the trial's folder."""
         store = self.store
-        row = store.rows([store.trial(claim.number)])[0]
+        try:
+            row = store.rows([store.trial(claim.number)])[0]
+        except StoreUnavailable:  # it is announced as it ended here; recording it will meet the outage
+            return None
         if not row.outcome.ended or (row.outcome, row.reason) == (result.outcome, result.reason):
             return None
         with self._lock:

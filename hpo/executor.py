@@ -40,6 +40,7 @@ from hpo.scenario import Objective
 TAIL_LINES = 200
 PAUSE_NOTED_S = 1.0  # a process found ended this long after it was last seen running: the worker was paused
 EARLY_ENDS = ("timeout", "pruned", "stopped", "interrupted")  # what hpo ended before the trial's own end
+CUT_SHORT = ("stopped", "interrupted")  # ends asked of a trial whose later values are not reported
 _TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 
 
@@ -117,11 +118,12 @@ class LocalExecutor:
 def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResult:
     """Write ``spec``'s files into ``folder``, run it there, judge it, write ``result.json``.
 
-    Every output line is parsed before the trial is judged. Of the objective's intermediate
-    values that wait together, all are reported and the pruner judges the last; once the
-    process has ended none is judged; once the pruner said prune none is reported. A trial
-    whose end is asked before it starts (``hpo stop`` of a trial claimed ahead) is not started:
-    it is judged so ended, after 0 s.
+    Every output line is parsed before the trial is judged. While the process runs, the
+    pruner judges each of the objective's intermediate values in turn (successive halving
+    enters a rung with the value of the rung's own step); once it said prune, none is reported;
+    those left over after the process ended are recorded unjudged; a trial being stopped or
+    interrupted reports none. A trial whose end is asked before it starts (``hpo stop`` of a
+    trial claimed ahead) is not started: it is judged so ended, after 0 s.
     """
     write_files(folder, spec.files)
     objective = spec.objective
@@ -145,13 +147,14 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
                 continue
             if reported is not None and reported.step is not None and objective.metric in reported.values:
                 values.append((reported.step, reported.values[objective.metric]))
-        if pruned_at is not None or not values:
+        if pruned_at is not None or not values or control.end_request() in CUT_SHORT:
             return notes
-        judged = values.pop() if running else None
         for step, value in values:
-            record(step, value)
-        if judged is not None and control.intermediate(*judged):
-            pruned_at = judged[0]
+            if not running:
+                record(step, value)
+            elif control.intermediate(step, value):
+                pruned_at = step
+                break
         return notes
 
     def should_end() -> str | None:

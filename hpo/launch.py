@@ -42,6 +42,8 @@ MACHINE_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
 """Errors of a refused start that are a limit of the machine or of hpo's shell, not the trial's
 fault: the sweep stops, and the trial runs again on resume."""
 POLL_S = 0.05
+QUEUED_LINES = 10_000  # output lines read ahead of their handling, at most
+HANDED_LINES = 16  # lines handed over at once, at most: whether the process still runs is asked as often
 
 
 @dataclass(frozen=True)
@@ -419,17 +421,30 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                     ended_by = should_end()
         finally:
             ended.set()
-            if proc.poll() is None:
-                kill_tree(proc.pid, child=proc)
-            else:
-                _kill_group(proc.pid)
-            duration = time.monotonic() - start
-            if TOKEN_ENV in env:
-                kill_by_token(env[TOKEN_ENV])
-            reader.join(timeout=KILL_GRACE_S)
-            output.close()
-            handler.join()
+            try:
+                if proc.poll() is None:
+                    kill_tree(proc.pid, child=proc)
+                else:
+                    _kill_group(proc.pid)
+                if TOKEN_ENV in env:
+                    kill_by_token(env[TOKEN_ENV])
+            finally:
+                duration = time.monotonic() - start
+                _join_reader(reader, output)
+                output.close()
+                handler.join()
     return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid)
+
+
+def _join_reader(reader: threading.Thread, output: _Output) -> None:
+    """Wait for ``reader`` to read the pipe to its end, however long its lines take to be
+    handled, but no more than ``KILL_GRACE_S`` in all for lines that do not come: a process
+    that left the tree may hold the pipe open."""
+    waited = 0.0
+    while reader.is_alive() and waited < KILL_GRACE_S:
+        reader.join(POLL_S)
+        if output.reading:
+            waited += POLL_S
 
 
 def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
@@ -443,14 +458,17 @@ def _exits_within(proc: subprocess.Popen[bytes], seconds: float) -> bool:
 
 class _Output:
     """A process's output on its way: each line written to the log at once and queued for
-    :func:`_deliver`, until :meth:`close` (a None in the queue marks the end). A log that
-    cannot be written (a full disk, a file-size limit) is written no more, the lines still
-    queued, and :attr:`failure` says why (the trial fails, its process not held up)."""
+    :func:`_deliver`, until :meth:`close` (a None in the queue marks the end). The queue holds
+    at most :data:`QUEUED_LINES`: a process that prints faster than its lines are handled
+    waits on its pipe, as it would without hpo. A log that cannot be written (a full disk, a
+    file-size limit) is written no more, the lines still queued, and :attr:`failure` says why
+    (the trial fails, its process not held up)."""
 
     def __init__(self, log: Any, name: str) -> None:
         self.log = log
         self.failure: str | None = None
-        self.lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.lines: queue.Queue[str | None] = queue.Queue(QUEUED_LINES)
+        self.reading = False
         self._name = name
         self._lock = threading.Lock()
         self._open = True
@@ -458,10 +476,17 @@ class _Output:
     def put(self, raw: bytes) -> bool:
         """Log and queue one line; False once closed (the line is dropped)."""
         with self._lock:
-            if self._open:
-                self._write(raw)
-                self.lines.put(raw.decode("utf-8", errors="replace"))
-            return self._open
+            if not self._open:
+                return False
+            self._write(raw)
+        line = raw.decode("utf-8", errors="replace")
+        while self._open:  # not under the lock: the handler's notes take it while it drains the queue
+            try:
+                self.lines.put(line, timeout=POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def note(self, text: str) -> None:
         """Write one of hpo's own lines to the log."""
@@ -478,27 +503,31 @@ class _Output:
     def close(self) -> None:
         """Take no more lines."""
         with self._lock:
-            if self._open:
-                self._open = False
-                self.lines.put(None)
+            closing, self._open = self._open, False
+        if closing:
+            self.lines.put(None)  # the handler drains the queue until it meets this
 
 
 def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
-    """Copy ``proc``'s output to ``output`` until the pipe ends or ``output`` is closed."""
+    """Copy ``proc``'s output to ``output`` until the pipe ends or ``output`` is closed;
+    ``output.reading`` tells whether it waits on the pipe (not on the queue)."""
     assert proc.stdout is not None
-    for raw in iter(proc.stdout.readline, b""):
-        if not output.put(raw):
-            return
+    while True:
+        output.reading = True
+        raw = proc.stdout.readline()
+        output.reading = False
+        if not raw or not output.put(raw):
+            break
     output.close()
 
 
 def _deliver(output: _Output, on_lines: Callable[[list[str], bool], Sequence[str] | None],
              ended: threading.Event) -> None:
-    """Pass ``output``'s queued lines to ``on_lines`` in batches (all that wait), until its
-    end, and write the notes it returns to the log."""
+    """Pass ``output``'s queued lines to ``on_lines`` in batches (those that wait, at most
+    :data:`HANDED_LINES`), until its end, and write the notes it returns to the log."""
     while True:
         batch = [output.lines.get()]
-        while batch[-1] is not None and not output.lines.empty():
+        while batch[-1] is not None and len(batch) < HANDED_LINES and not output.lines.empty():
             batch.append(output.lines.get())
         lines = [line for line in batch if line is not None]
         if lines:

@@ -18,7 +18,6 @@ exceed the budget.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Container
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder, trial_seed
 from hpo.rows import TrialRow, budget_used, repeat_of, standing
+from hpo.storage import HOST
 from hpo.store import (
     ATTR_DESIGN_INDEX,
     ATTR_LOST_COUNT,
@@ -45,7 +45,6 @@ from hpo.store import (
     StudyStore,
 )
 
-HOST = socket.gethostname()
 WAIT = "wait"
 
 

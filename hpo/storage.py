@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sqlite3
 import threading
 import time
@@ -34,6 +35,7 @@ from hpo.errors import InputError, StoreUnavailable
 if TYPE_CHECKING:
     import optuna
 
+HOST = socket.gethostname()  # names this machine in workers' ids and in the ask lock's holder
 SQLITE_TIMEOUT_S = 120
 _JOURNAL_LINE_MAX = 1 << 20  # a journal's first record (the study's creation) is far shorter
 MAX_PAUSE_S = 5.0  # the longest pause between two tries of a store call: every thread tries again this soon
@@ -326,7 +328,7 @@ def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None]
     except BlockingIOError:
         timer = None
         if on_wait is not None:
-            timer = threading.Timer(LOCK_WAIT_NOTED_S, lambda: on_wait(_lock_holder(lock_path) + "; waiting for it"))
+            timer = threading.Timer(LOCK_WAIT_NOTED_S, _note_wait, (lock_path, on_wait))
             timer.daemon = True
             timer.start()
         try:
@@ -334,21 +336,31 @@ def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None]
         finally:
             if timer is not None:
                 timer.cancel()
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+    with contextlib.suppress(OSError):  # a note for whoever waits, not worth failing the section for
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{HOST}:{os.getpid()}\n")
+        handle.flush()
+
+
+def _note_wait(lock_path: Path, on_wait: Callable[[str], None]) -> None:
+    """Tell ``on_wait`` who holds the lock (in the waiter's timer thread: nothing escapes)."""
+    try:
+        on_wait(_lock_holder(lock_path) + "; waiting for it")
+    except Exception:  # a note, never worth a traceback
+        _log.debug("cannot say who holds %s", lock_path, exc_info=True)
 
 
 def _lock_holder(lock_path: Path) -> str:
-    """Who holds the lock at ``lock_path``, in words."""
-    text = lock_path.read_text().strip()
-    if not text.isdigit():
-        return f"the study's ask lock {lock_path} has been held for {LOCK_WAIT_NOTED_S:.0f} s"
+    """Who holds the lock at ``lock_path``, in words (as the holder wrote ``host:pid``)."""
+    host, _, pid_text = lock_path.read_text(errors="replace").strip().rpartition(":")
+    if host != HOST or not pid_text.isdigit():
+        return f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock {lock_path}" + \
+            (f", last taken by {host}:{pid_text}" if host else "")
     import psutil  # imported when first needed: most commands never wait
 
-    pid = int(text)
-    said = f"the study's ask lock has been held for {LOCK_WAIT_NOTED_S:.0f} s by process {pid} on this machine"
+    pid = int(pid_text)
+    said = f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock, held by process {pid} on this machine"
     try:
         stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
     except psutil.Error:
@@ -454,15 +466,17 @@ class Retrying:
         self._down_since: float | None = None
         self._up_since = float("-inf")
         self._lock = threading.RLock()  # re-entrant: hurry() may run in a signal handler of a thread that holds it
-        self._hurry_until = float("inf")
+        self._hurried: tuple[float, float] | None = None  # since when, and for how long calls still retry
         self._wake = threading.Event()
 
     def hurry(self, within_s: float) -> None:
-        """From now on, a call gives up (:class:`StoreUnavailable`) once it has failed for
-        ``within_s`` more seconds, whatever ``deadline_s`` says: the sweep is stopping, and
-        what it still records is kept in the trials' folders anyway (recorded on resume)."""
+        """From now on, a failing call gives up (:class:`StoreUnavailable`) once it has failed
+        for ``within_s`` seconds (a call failing now: ``within_s`` from now), whatever
+        ``deadline_s`` says: the sweep is stopping, and what it still records is kept in the
+        trials' folders anyway (recorded on resume)."""
         with self._lock:
-            self._hurry_until = min(self._hurry_until, time.monotonic() + within_s)
+            if self._hurried is None:
+                self._hurried = (time.monotonic(), within_s)
             waking, self._wake = self._wake, threading.Event()
         waking.set()
 
@@ -497,8 +511,10 @@ class Retrying:
                         self._on_outage(f"the store {self._url} is not answering ({first_line[:160]}); "
                                         f"retrying for up to {self._deadline_s:g} s")
                 with self._lock:
-                    left = min(self._deadline_s - elapsed, self._hurry_until - time.monotonic())
-                    hurried, wake = self._hurry_until < float("inf"), self._wake
+                    left = self._deadline_s - elapsed
+                    hurried, wake = self._hurried, self._wake
+                if hurried is not None:
+                    left = min(left, max(hurried[0], start) + hurried[1] - time.monotonic())
                 if left <= 0:
                     why = "the sweep is stopping" if hurried else "resources.store_retry"
                     raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "

@@ -428,14 +428,13 @@ class RecordingControl(Control):
 
 def test_a_remote_flood_of_step_values_reaches_the_sweep_whole(scratch_executor: DaskExecutor,
                                                                 tmp_path: Path) -> None:
-    """Values that wait together are recorded, the pruner asked about the last of them only."""
+    """Every value reaches the sweep once: judged while the trial runs, recorded after."""
     control = RecordingControl()
     flood = "from hpo.results import report\nfor step in range(500):\n    report(step=step, val_error=step)\n" \
             "report(val_error=0.25)\n"
     result = scratch_executor.run(trial_spec(tmp_path, flood, "flood"), control)
     assert (result.outcome, result.value) == (Outcome.COMPLETE, 0.25)
     assert sorted(control.values + control.recorded) == [(step, float(step)) for step in range(500)]
-    assert control.recorded and len(control.values) < 500
 
 
 def tokens_alive(token_prefix: str) -> list[int]:

@@ -302,8 +302,8 @@ def test_nothing_reaches_the_pruner_after_it_decided(tmp_path: Path) -> None:
 def test_a_backlog_of_reports_is_all_logged_parsed_and_recorded_before_the_judgement(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A trial that prints steps faster than the pruner answers, then exits: every line is in
-    trial.log and parsed, every value recorded; the pruner judges only the last of those that
-    wait together, and none once the process has ended."""
+    trial.log and parsed, every value recorded; the pruner judges them in turn while the
+    process runs, and none once it has ended."""
     monkeypatch.setattr("hpo.launch.KILL_GRACE_S", 0.2)
     control = Control(ask_s=0.005)
     result = LocalExecutor().run(spec(tmp_path, """\
@@ -316,6 +316,20 @@ def test_a_backlog_of_reports_is_all_logged_parsed_and_recorded_before_the_judge
     assert len((tmp_path / "trial-0007" / "trial.log").read_text().splitlines()) == 501
     assert [step for step, _ in control.values] == list(range(1, 501))
     assert len(control.judged) < 50
+
+
+def test_the_pruner_judges_every_step_in_turn_however_fast_they_come(tmp_path: Path) -> None:
+    """Successive halving enters a rung with the value it is asked about: a step skipped
+    because later ones waited would enter rung 0 with a late (better) value."""
+    control = Control(ask_s=0.005)
+    LocalExecutor().run(spec(tmp_path, """\
+        import json, time
+        for step in range(1, 301):
+            print(json.dumps({"step": step, "val_error": 1.0 / step}))
+        time.sleep(1.0)
+        """), control)
+    assert len(control.judged) > 100 and control.judged == list(range(1, len(control.judged) + 1))
+    assert [step for step, _ in control.values] == list(range(1, 301))  # the rest recorded once it ended
 
 
 def test_a_control_without_record_gets_every_value_through_intermediate(tmp_path: Path) -> None:

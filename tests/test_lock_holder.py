@@ -71,8 +71,8 @@ def test_a_sweep_that_waits_for_a_stopped_lock_holder_names_it_and_goes_on_once_
             line = run.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)
-        assert lines[-1] == f"hpo: the study's ask lock has been held for {LOCK_WAIT_NOTED_S:.0f} s by {said}; " \
-                            "waiting for it\n"
+        assert lines[-1] == f"hpo: this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock, held " \
+                            f"by {said}; waiting for it\n"
         os.kill(pid, signal.SIGCONT)
         out, err = run.communicate(timeout=60)
     finally:

@@ -86,7 +86,7 @@ def freeze_without_the_ask_lock(pid: int, lock_path: Path) -> None:
                 return
             except BlockingIOError:
                 handle.seek(0)
-                if handle.read().strip() != str(pid):
+                if handle.read().strip().rpartition(":")[2] != str(pid):
                     return
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
