@@ -302,7 +302,7 @@ def ask_lock(url: str, on_wait: Callable[[str], None] | None = None) -> Iterator
     so where it is stopped, as SIGSTOP or Ctrl-Z leave it, holding the lock). PostgreSQL and
     MySQL use a session's advisory lock on the server (all machines): when the server ends
     that session, in a restart or with its connection, the lock is gone and ``held()`` is
-    False. Re-entrant within a thread.
+    False. Not re-entrant: a file lock taken twice in one process waits for itself.
     """
     with _THREAD_LOCK:
         local = local_path(url)
