@@ -289,10 +289,12 @@ def optuna_url(url: str) -> str:
 
 
 LOCK_WAIT_NOTED_S = 10.0  # a wait this long for the file lock is said, with its holder
+LOCK_POLL_S = 0.005  # how often a waiter tries the file lock again
 
 
 @contextlib.contextmanager
-def ask_lock(url: str, on_wait: Callable[[str], None] | None = None) -> Iterator[Callable[[], bool]]:
+def ask_lock(url: str, on_wait: Callable[[str], None] | None = None,
+             give_up: Callable[[], bool] = lambda: False) -> Iterator[Callable[[], bool]]:
     """Hold the study-wide lock under which the budget is checked and a trial is asked;
     yields ``held()``, whether the lock is still this process's.
 
@@ -302,7 +304,8 @@ def ask_lock(url: str, on_wait: Callable[[str], None] | None = None) -> Iterator
     so where it is stopped, as SIGSTOP or Ctrl-Z leave it, holding the lock). PostgreSQL and
     MySQL use a session's advisory lock on the server (all machines): when the server ends
     that session, in a restart or with its connection, the lock is gone and ``held()`` is
-    False. Not re-entrant: a file lock taken twice in one process waits for itself.
+    False. Not re-entrant: a file lock taken twice in one process waits for itself. A wait
+    for the file lock ends in :class:`StoreUnavailable` once ``give_up()`` (the sweep stops).
     """
     with _THREAD_LOCK:
         local = local_path(url)
@@ -313,29 +316,30 @@ def ask_lock(url: str, on_wait: Callable[[str], None] | None = None) -> Iterator
         lock_path = local.with_name(local.name + ".hpo-lock")
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with lock_path.open("a+") as handle:
-            _take_file_lock(handle, lock_path, on_wait)
+            _take_file_lock(handle, lock_path, on_wait, give_up)
             try:
                 yield lambda: True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None] | None) -> None:
-    """Lock ``handle`` (blocking), telling ``on_wait`` of a long wait; then write this
-    process's id into the file, for whoever waits next."""
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        timer = None
-        if on_wait is not None:
-            timer = threading.Timer(LOCK_WAIT_NOTED_S, _note_wait, (lock_path, on_wait))
-            timer.daemon = True
-            timer.start()
+def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None] | None,
+                    give_up: Callable[[], bool]) -> None:
+    """Lock ``handle``, telling ``on_wait`` of a long wait and raising StoreUnavailable once
+    ``give_up()``; then write this process's id into the file, for whoever waits next."""
+    noted = time.monotonic() + LOCK_WAIT_NOTED_S
+    while True:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        finally:
-            if timer is not None:
-                timer.cancel()
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if give_up():
+                raise StoreUnavailable(f"the sweep is stopping; it waited for the study's ask lock {lock_path} "
+                                       "in vain") from None
+            if on_wait is not None and time.monotonic() >= noted:
+                _note_wait(lock_path, on_wait)
+                noted = float("inf")
+            time.sleep(LOCK_POLL_S)
     with contextlib.suppress(OSError):  # a note for whoever waits, not worth failing the section for
         handle.seek(0)
         handle.truncate()
@@ -344,7 +348,7 @@ def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None]
 
 
 def _note_wait(lock_path: Path, on_wait: Callable[[str], None]) -> None:
-    """Tell ``on_wait`` who holds the lock (in the waiter's timer thread: nothing escapes)."""
+    """Tell ``on_wait`` who holds the lock; nothing escapes (it is a note)."""
     try:
         on_wait(_lock_holder(lock_path) + "; waiting for it")
     except Exception:  # a note, never worth a traceback
@@ -468,6 +472,12 @@ class Retrying:
         self._lock = threading.RLock()  # re-entrant: hurry() may run in a signal handler of a thread that holds it
         self._hurried: tuple[float, float] | None = None  # since when, and for how long calls still retry
         self._wake = threading.Event()
+
+    def gave_up(self) -> bool:
+        """Whether the grace that :meth:`hurry` gave has run out (a waiter stops waiting)."""
+        with self._lock:
+            hurried = self._hurried
+        return hurried is not None and time.monotonic() >= hurried[0] + hurried[1]
 
     def hurry(self, within_s: float) -> None:
         """From now on, a failing call gives up (:class:`StoreUnavailable`) once it has failed

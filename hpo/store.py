@@ -207,7 +207,7 @@ class StudyStore:
         lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
         claimed under it are appended to ``claimed``."""
         def enter() -> Any:
-            context = ask_lock(self.url, self._on_outage)
+            context = ask_lock(self.url, self._on_outage, self.call.gave_up)
             return context, context.__enter__()
 
         context, held = self.call(enter)

@@ -15,8 +15,9 @@ import psutil
 import pytest
 from conftest import cli_env
 
+from hpo.errors import StoreUnavailable
 from hpo.scenario import load_scenario
-from hpo.storage import LOCK_WAIT_NOTED_S, storage_url
+from hpo.storage import LOCK_WAIT_NOTED_S, ask_lock, storage_url
 
 HOLDER = """\
 import os, signal, sys
@@ -80,3 +81,13 @@ def test_a_sweep_that_waits_for_a_stopped_lock_holder_names_it_and_goes_on_once_
             run.kill()
     assert run.returncode == 0, err
     assert "2/2 trials done: 2 complete" in out
+
+
+def test_a_wait_for_the_lock_ends_when_the_sweep_gives_up(stopped_holder: tuple[Path, int]) -> None:
+    """A sweep stopped (SIGINT, SIGTERM) while a slot waits for a stopped holder's lock ends."""
+    path, _ = stopped_holder
+    began = time.monotonic()
+    waiting = ask_lock(storage_url(load_scenario(path)), give_up=lambda: time.monotonic() - began > 0.3)
+    with pytest.raises(StoreUnavailable, match="the sweep is stopping; it waited for the study's ask lock"):
+        waiting.__enter__()
+    assert time.monotonic() - began < 2
