@@ -482,25 +482,24 @@ def _whole_file(target: Path, flag: str) -> Iterator[Any]:
     written beside it under a temporary name and renamed over it once closed (a device or
     pipe, such as /dev/stdout, is written in place). A failure to write is an InputError
     naming ``flag``, ``target`` and the system's reason, and leaves no temporary file."""
+    from hpo.files import replacing
+
     existing = target.is_file()
-    special = target.exists() and not existing
     real = target.resolve() if existing else target  # a link to a file: the file is replaced
-    temporary = real if special else real.with_name(f".{real.name}.{os.getpid()}.tmp")
     try:
+        if target.exists() and not existing:  # a device or a pipe
+            with real.open("w", newline="") as handle:
+                yield handle
+            return
         if existing:
             real.open("a").close()  # refused where the file is read-only, as writing it in place would be
-        with temporary.open("w", newline="") as handle:
-            yield handle
-        if not special:
+        with replacing(real) as temporary:
+            with temporary.open("w", newline="") as handle:
+                yield handle
             if existing:
                 shutil.copymode(real, temporary)
-            temporary.replace(real)
     except OSError as exc:
         raise InputError(f"{flag}: cannot write {target}: {exc.strerror or exc}") from None
-    finally:
-        if not special:
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
 
 
 def _new_folder(folder: Path, flag: str) -> Path:

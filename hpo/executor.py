@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpo.files import replacing
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
@@ -277,9 +278,8 @@ def save_result(folder: Path, number: int, result: TrialResult, paused_s: float 
     record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
     if paused_s:
         record["paused_s"] = round(paused_s, 3)
-    temporary = folder / f".{RESULT_FILE}.tmp"
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    temporary.replace(folder / RESULT_FILE)
+    with replacing(folder / RESULT_FILE) as temporary:
+        temporary.write_text(json.dumps(record, indent=2) + "\n")
     return result
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import sys
 import textwrap
 import warnings
@@ -39,6 +38,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, Locator, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 from hpo.errors import InputError
+from hpo.files import replacing
 from hpo.outcome import Outcome
 from hpo.scenario import Param, Scenario
 
@@ -363,15 +363,11 @@ def _style() -> Iterator[None]:
 def _save(figure: Figure, path: Path, **options: Any) -> Path:
     """Write ``figure`` to ``path`` whole or not at all (through a temporary file beside it);
     an InputError naming ``path`` and the system's reason where it cannot be written."""
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
-        figure.savefig(temporary, **options)
-        temporary.replace(path)
+        with replacing(path) as temporary:
+            figure.savefig(temporary, **options)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
     return path
 
 

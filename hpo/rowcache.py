@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.files import replacing
 from hpo.rows import FIELDS, TrialRow, row_from_list, row_to_list
 from hpo.storage import local_path, sqlite_path
 
@@ -119,8 +120,7 @@ def save(path: Path, cached: Cached) -> None:
         data.update(stamp=cached.stamp, unfinished=[row_to_list(row) for row in cached.unfinished])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, separators=(",", ":")))
-        temporary.replace(path)
+        with replacing(path) as temporary:
+            temporary.write_text(json.dumps(data, separators=(",", ":")))
     except OSError:
         pass
