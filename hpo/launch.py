@@ -391,9 +391,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
     try:
         log = log_path.open("ab", buffering=0)
     except OSError as exc:
-        if exc.errno in MACHINE_LIMITS:
-            raise ExecutorUnavailable(f"cannot open {log_path.name}: {exc.strerror} (a limit of this machine or "
-                                      "of hpo's shell, not the trial's fault)") from None
+        _raise_if_machine_limit(exc, f"cannot open {log_path.name}")
         raise
     with log:
         try:
@@ -402,9 +400,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                                     start_new_session=True, preexec_fn=die_with_parent)  # noqa: PLW1509 (prctl only)
         except OSError as exc:
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
-            if exc.errno in MACHINE_LIMITS:
-                raise ExecutorUnavailable(f"cannot start a trial's process: {exc.strerror} (a limit of this "
-                                          "machine or of hpo's shell, not the trial's fault)") from None
+            _raise_if_machine_limit(exc, "cannot start a trial's process")
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)
         output = _Output(log, log_path.name)
         ended = threading.Event()
@@ -434,6 +430,13 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                 output.close()
                 handler.join()
     return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid)
+
+
+def _raise_if_machine_limit(exc: OSError, what: str) -> None:
+    """ExecutorUnavailable (``what``: the system's reason) where ``exc`` is one of :data:`MACHINE_LIMITS`."""
+    if exc.errno in MACHINE_LIMITS:
+        raise ExecutorUnavailable(f"{what}: {exc.strerror} (a limit of this machine or of hpo's shell, not the "
+                                  "trial's fault)") from None
 
 
 def _join_reader(reader: threading.Thread, output: _Output) -> None:
