@@ -60,6 +60,17 @@ def server() -> Iterator[str]:
         _pg("pg_dropcluster", version, CLUSTER, "--stop")
 
 
+def _stop(server: str) -> None:
+    """Stop the cluster (fast) and wait until nothing answers on its port: a server still
+    shutting down answers "the database system is shutting down", which is an outage, not the
+    refused connection these tests mean."""
+    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    deadline = time.monotonic() + 30
+    while (ready := _pg("pg_isready", "-h", "127.0.0.1", "-p", str(PORT))).returncode != 2:
+        assert time.monotonic() < deadline, ready.stdout
+        time.sleep(0.1)
+
+
 def write(tmp_path: Path, store_retry: float = 300) -> Path:
     (tmp_path / "trial.py.j2").write_text(textwrap.dedent("""\
         import time
@@ -114,7 +125,7 @@ def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path)
     wait_for_done(path, 5, run)
     assert _pg("pg_ctlcluster", server, CLUSTER, "restart", "-m", "fast").returncode == 0
     wait_for_done(path, 12, run)
-    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    _stop(server)
     time.sleep(15)
     assert _pg("pg_ctlcluster", server, CLUSTER, "start").returncode == 0
     out, _ = run.communicate(timeout=180)
@@ -133,7 +144,7 @@ def test_an_outage_past_store_retry_stops_with_one_line_and_resumes(server: str,
     path = write(tmp_path, store_retry=3)
     run = start(path)
     wait_for_done(path, 4, run)
-    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    _stop(server)
     try:
         out, _ = run.communicate(timeout=120)
     finally:
@@ -153,7 +164,7 @@ def test_a_process_that_starts_while_the_server_is_down_for_a_moment_waits_for_i
     """Between a restart's stop and its start the server refuses connections, as at a wrong
     port: a process's first contact waits out the grace before it calls that bad input."""
     monkeypatch.setattr(hpo.storage, "REFUSED_GRACE_S", 60.0)
-    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    _stop(server)
     starter = threading.Timer(1.0, _pg, ("pg_ctlcluster", server, CLUSTER, "start"))
     starter.start()
     try:
@@ -171,7 +182,7 @@ def test_a_worker_that_hpo_run_started_rides_out_a_server_that_is_down_at_its_st
     server down (refusing connections) past the first contact's grace waits for it, where a
     command of its own exits on bad input."""
     scenario = load_scenario(write(tmp_path))
-    assert _pg("pg_ctlcluster", server, CLUSTER, "stop", "-m", "fast").returncode == 0
+    _stop(server)
     # the server comes back well after the first contact's grace, even where a loaded machine
     # is slow to make that contact; the second store then meets it still down
     starter = threading.Timer(hpo.storage.REFUSED_GRACE_S + 5.0, _pg, ("pg_ctlcluster", server, CLUSTER, "start"))
