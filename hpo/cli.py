@@ -527,12 +527,13 @@ def _made_folder(folder: Path, flag: str) -> Path:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw the study's charts as PNG files into -o DIR (default: <workdir>/plots)."""
-    from hpo.plots import draw_all
+    from hpo.plots import draw_all, frozen
 
     ctx = _context(args)
     folder = _made_folder(_new_folder(Path(args.output), "-o"), "-o") if args.output else ctx.workdir / "plots"
     store = _store(ctx)
-    for path in draw_all(store.study, ctx.scenario, folder, rows=store.snapshot()):
+    trials = store.trials()  # one read: a sweep that goes on meanwhile changes no chart
+    for path in draw_all(frozen(store.study, trials), ctx.scenario, folder, rows=store.rows(trials)):
         print(f"wrote {path}")
     return EXIT_OK
 

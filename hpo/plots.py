@@ -832,6 +832,18 @@ def _why_not_compared(completed: int, params: Sequence[str]) -> str | None:
     return None
 
 
+def frozen(study: optuna.Study, trials: Sequence[optuna.trial.FrozenTrial]) -> optuna.Study:
+    """An in-memory study of ``study``'s name and direction that holds ``trials`` (all of the
+    study's, in number order, as one read gave them): charts drawn from it show the same trials
+    while a sweep goes on changing ``study``."""
+    import optuna
+
+    copy = optuna.create_study(storage=optuna.storages.InMemoryStorage(), study_name=study.study_name,
+                               direction=study.direction)
+    copy.add_trials(trials)
+    return copy
+
+
 def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
              rows: Sequence[PlotRow] | None = None) -> list[Path]:
     """Draw every chart that the study's trials allow into ``folder``; return the files. Each
@@ -839,7 +851,8 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
     trials do not allow is said once, with why, as a warning of the ``hpo.plots`` logger.
 
     Args:
-        study: the scenario's Optuna study.
+        study: the scenario's Optuna study, read once per chart: a study that a sweep may change
+            meanwhile is passed :func:`frozen`, so that every chart and ``rows`` agree.
         scenario: the scenario (name, objective, parameters).
         folder: where the PNG files go (created if need be).
         rows: the study's trials as rows, if the caller has them (read from the study otherwise).

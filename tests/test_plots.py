@@ -26,6 +26,7 @@ from hpo.outcome import Outcome
 from hpo.plots import (
     STATE_STYLE,
     draw_all,
+    frozen,
     history_data,
     importance_data,
     states_data,
@@ -415,6 +416,23 @@ def test_draw_all_reads_the_rows_from_the_study_when_not_given(tmp_path: Path) -
     paths = draw_all(study, scenario(held_out=()), tmp_path)
     assert {p.name for p in paths} >= {"history.png", "states.png"}
 
+
+
+def test_a_frozen_study_keeps_the_trials_of_its_one_read_while_the_sweep_goes_on(tmp_path: Path) -> None:
+    """hpo plot draws every chart from one read: a trial that ends, or one that starts, while
+    the charts are drawn shows in none of them (the slice chart once counted a trial that
+    the history chart, drawn a moment earlier, showed running)."""
+    study, _ = digits_study(trials=5)
+    running = study.ask()
+    running.suggest_int("conv_size", 1, 5)
+    copy = frozen(study, study.get_trials(deepcopy=False))
+    study.tell(running, 0.5)
+    study.optimize(lambda trial: trial.suggest_float("dropout", 0.0, 0.5), n_trials=2)
+    assert [(t.number, t.state, t.value, t.params) for t in copy.trials] == \
+        [(t.number, t.state, t.value, t.params) for t in study.trials[:6]][:5] + \
+        [(5, TrialState.RUNNING, None, {"conv_size": running.params["conv_size"]})]
+    assert copy.study_name == "digits" and copy.direction == study.direction
+    assert len(draw_all(copy, scenario(held_out=()), tmp_path)) == 5
 
 
 @pytest.mark.parametrize("failing", ["states", "slice"])
