@@ -9,7 +9,10 @@ store nor a shared filesystem:
 * worker to sweep: events on the executor's topic (``Worker.log_event``): the trial
   started (where, on which GPUs), its intermediate values, chunks of its log;
 * sweep to worker: a Dask ``Variable`` per trial holding what should end it (``stopped``,
-  ``pruned``, ``interrupted``; empty while it runs), read by the worker every ``POLL_S``;
+  ``pruned``, ``interrupted``; empty while it runs), read by the worker every ``POLL_S``.
+  The sweep reports and judges the values as :func:`hpo.executor.run_trial` does on this
+  machine, so a trial is recorded alike on both: pruned at the step the pruner judged, with
+  no later value reported, however many steps its worker ran before the request reached it;
 * a Dask ``Event`` per trial marks its first start. Dask runs a task again when its worker
   dies; hpo does not: the second start returns LOST at once, and the sweep queues the
   configuration as a new trial, as it does for any lost trial;
@@ -52,7 +55,7 @@ from distributed.comm import CommClosedError
 from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
-from hpo.executor import TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
+from hpo.executor import CUT_SHORT, TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, write_files
@@ -330,8 +333,9 @@ class _Courier:
         return self._decoder.decode(data, final=final)
 
 
-class _WorkerControl:
-    """:class:`~hpo.executor.TrialControl` on the worker: events out, the courier's requests in."""
+class _WorkerControl(TrialControl):
+    """The control on the worker: events out, the courier's requests in. It never asks to
+    prune: the sweep judges each value and asks for the end as for any other."""
 
     def __init__(self, courier: _Courier, place: Mapping[str, Any]) -> None:
         self._courier = courier
@@ -620,6 +624,7 @@ class _Following:
         self._shared = False
         self._chunks = 0
         self._verdict: TrialResult | None = None
+        self._pruned_at: int | None = None
 
     def result(self) -> TrialResult:
         """Follow the task to its end; how the trial ended."""
@@ -643,14 +648,31 @@ class _Following:
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
             self._control.started(tuple(message.get("gpus", ())))
-        elif kind == "value" and not message.get("judged", True):
-            record = getattr(self._control, "record", self._control.intermediate)
-            record(int(message["step"]), float(message["value"]))
-        elif kind == "value" and self._control.intermediate(int(message["step"]), float(message["value"])):
-            self._ask("pruned")
+        elif kind == "value":
+            self._value(int(message["step"]), float(message["value"]), bool(message.get("judged", True)))
         elif kind == "log":
             self._chunks += 1
             self._note(str(message.get("text", "")))
+
+    def _value(self, step: int, value: float, judged: bool) -> None:
+        """Report a value as :func:`~hpo.executor.run_trial` does on this machine: none once
+        the pruner said prune or the trial is being cut short; the pruner judges those the
+        worker sent while the trial ran (the step of the first it prunes is the trial's)."""
+        if self._pruned_at is not None or self._control.end_request() in CUT_SHORT:
+            return
+        if not judged:
+            self._control.record(step, value)
+        elif self._control.intermediate(step, value):
+            self._pruned_at = step
+            self._ask("pruned")
+
+    def _as_judged(self, result: TrialResult) -> TrialResult:
+        """``result`` of a trial this side pruned, at the step the pruner judged (its worker
+        ended it later, when the request reached it); other results as they are."""
+        if result.outcome is not Outcome.PRUNED or self._pruned_at is None:
+            return result
+        return judge(Metrics(), self._spec.objective, 0, "pruned", (), result.duration_s, self._spec.timeout,
+                     self._pruned_at)
 
     def _note(self, text: str) -> None:
         """Append to the trial's log here (only used when the trial ran elsewhere)."""
@@ -712,7 +734,7 @@ class _Following:
             return report.result
         if not self._started:
             self._control.started(report.gpus)
-        result = report.result
+        result = self._as_judged(report.result)
         if not report.shared:
             self._drain(report.chunks)
             self._note(report.rest)
@@ -720,7 +742,7 @@ class _Following:
             result = TrialResult(Outcome.LOST, duration_s=result.duration_s,
                                  reason=f"lost: its Dask worker {report.worker} closed or lost the scheduler")
             self._note(f"hpo: {result.reason}\n")
-        elif report.shared:
+        elif report.shared and result == report.result:  # the worker wrote it into the folder
             return result
         return save_result(self._spec.folder, self._spec.number, result)
 
@@ -739,7 +761,9 @@ class _Following:
         elif written.outcome is Outcome.INTERRUPTED:  # by its worker, which lost the scheduler
             result = replace(written, reason=interrupted)
         else:
-            result = written
+            result = self._as_judged(written)
+            if result != written:
+                save_result(self._spec.folder, self._spec.number, result)
         self._note(f"hpo: {message}; the trial ended {result.outcome}\n")
         return SchedulerGone(message, result)
 

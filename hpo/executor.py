@@ -26,10 +26,11 @@ import math
 import re
 import signal
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from hpo.files import replacing
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
@@ -75,21 +76,30 @@ class TrialSpec:
     objective: Objective
 
 
+@runtime_checkable
 class TrialControl(Protocol):
-    """The sweep's side of a running trial; called from the thread that runs it."""
+    """The sweep's side of a running trial; called from the thread that runs it.
 
+    The one interface of every control: the sweep's (:mod:`hpo.engine`, whichever the
+    executor) and the one a Dask worker passes to :func:`run_trial`. Each has all four
+    methods; a subclass that leaves one out cannot be instantiated.
+    """
+
+    @abstractmethod
     def started(self, gpus: Sequence[int]) -> None:
         """The trial's process started, on these GPU ids (empty on CPU)."""
 
+    @abstractmethod
     def intermediate(self, step: int, value: float) -> bool:
         """An intermediate objective value at ``step``; True when the trial should be pruned
         (its process is ended then, and no later value is reported)."""
 
+    @abstractmethod
     def record(self, step: int, value: float) -> None:
-        """An intermediate objective value at ``step`` that the pruner need not judge: a later
-        one already came, or the trial's process has ended. Optional: a control without it
-        gets :meth:`intermediate`, its answer ignored."""
+        """An intermediate objective value at ``step`` that the pruner need not judge: the
+        trial's process has ended."""
 
+    @abstractmethod
     def end_request(self) -> str | None:
         """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
 
@@ -133,7 +143,6 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
         return save_result(folder, spec.number, judge(Metrics(), objective, 0, asked, (), 0.0, spec.timeout))
     parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    record = getattr(control, "record", control.intermediate)
     pruned_at: int | None = None
 
     def on_lines(lines: list[str], running: bool) -> list[str]:
@@ -152,7 +161,7 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
             return notes
         for step, value in values:
             if not running:
-                record(step, value)
+                control.record(step, value)
             elif control.intermediate(step, value):
                 pruned_at = step
                 break

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import optuna
 import psutil
 import pytest
 from conftest import WriteScenario, cli_env, run_hpo
@@ -35,7 +36,7 @@ from hpo.dask_executor import (
 )
 from hpo.engine import Sweep, SweepConfig
 from hpo.errors import InputError
-from hpo.executor import TrialSpec, saved_result
+from hpo.executor import LocalExecutor, TrialControl, TrialSpec, saved_result
 from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
 from hpo.launch import TOKEN_ENV, Slot
 from hpo.outcome import Outcome
@@ -347,13 +348,15 @@ def test_what_a_trial_takes_of_a_worker(resources: dict[str, Any], demand: Deman
     assert got.restrictions(()) == {} and got.at_once(3, {}, ()) == 3
 
 
-class Control:
+class Control(TrialControl):
     """The sweep's side, scripted: prune at ``prune_at``, ask ``end`` once started, or
-    ``interrupted`` at once when ``stopping`` (the sweep stops)."""
+    ``interrupted`` at once when ``stopping`` (the sweep stops). Keeps the values the pruner
+    judged and, apart, those it need not judge."""
 
     def __init__(self, prune_at: int | None = None, end: str | None = None) -> None:
         self.gpus: tuple[int, ...] | None = None
         self.values: list[tuple[int, float]] = []
+        self.recorded: list[tuple[int, float]] = []
         self.prune_at = prune_at
         self.end = end
         self.stopping = False
@@ -364,6 +367,9 @@ class Control:
     def intermediate(self, step: int, value: float) -> bool:
         self.values.append((step, value))
         return self.prune_at is not None and step >= self.prune_at
+
+    def record(self, step: int, value: float) -> None:
+        self.recorded.append((step, value))
 
     def end_request(self) -> str | None:
         if self.stopping:
@@ -407,34 +413,78 @@ def test_pruning_stop_requests_and_timeouts_end_remote_trials(scratch_executor: 
     start = time.monotonic()
     pruned = Control(prune_at=3)
     result = scratch_executor.run(trial_spec(tmp_path / "a", STEPS, "pruned"), pruned)
-    assert result.outcome is Outcome.PRUNED and pruned.values[:3] == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
-    stopped = scratch_executor.run(trial_spec(tmp_path / "b", STEPS, "stopped"), Control(end="stopped"))
+    assert (result.outcome, result.reason, result.step) == (Outcome.PRUNED, "pruned at step 3", 3)
+    assert pruned.values == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)] and pruned.recorded == []
+    assert saved_result(tmp_path / "a" / "trial-0005", 5) == result
+    asked_to_stop = Control(end="stopped")
+    stopped = scratch_executor.run(trial_spec(tmp_path / "b", STEPS, "stopped"), asked_to_stop)
     assert (stopped.outcome, stopped.reason) == (Outcome.STOPPED, "stopped by the user")
+    assert asked_to_stop.values == asked_to_stop.recorded == []  # as on this machine: a trial being stopped reports none
     timed_out = scratch_executor.run(trial_spec(tmp_path / "c", STEPS, "timeout", timeout=1.0), Control())
     assert timed_out.outcome is Outcome.TIMEOUT
     assert time.monotonic() - start < 25
 
 
-class RecordingControl(Control):
-    """A :class:`Control` that also takes values the pruner need not judge, apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.recorded: list[tuple[int, float]] = []
-
-    def record(self, step: int, value: float) -> None:
-        self.recorded.append((step, value))
-
-
 def test_a_remote_flood_of_step_values_reaches_the_sweep_whole(scratch_executor: DaskExecutor,
                                                                 tmp_path: Path) -> None:
     """Every value reaches the sweep once: judged while the trial runs, recorded after."""
-    control = RecordingControl()
+    control = Control()
     flood = "from hpo.results import report\nfor step in range(500):\n    report(step=step, val_error=step)\n" \
             "report(val_error=0.25)\n"
     result = scratch_executor.run(trial_spec(tmp_path, flood, "flood"), control)
     assert (result.outcome, result.value) == (Outcome.COMPLETE, 0.25)
     assert sorted(control.values + control.recorded) == [(step, float(step)) for step in range(500)]
+
+
+def test_a_trial_pruned_in_its_own_folder_names_the_judged_step_there(cluster: LocalDask, tmp_path: Path) -> None:
+    """Its worker wrote the step it ran to when the request came; the judged one stands."""
+    executor = DaskExecutor(Client(cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            shared=True, scheduler_lost_s=10)
+    try:
+        control = Control(prune_at=2)
+        result = executor.run(trial_spec(tmp_path, STEPS, "pruned-shared"), control)
+    finally:
+        executor.close()
+    assert (result.outcome, result.reason, result.step) == (Outcome.PRUNED, "pruned at step 2", 2)
+    assert control.values == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
+    assert saved_result(tmp_path / "trial-0005", 5) == result
+
+
+STEP_LINES = """\
+import time
+x = {{ x }}
+for step in range(30):
+    print(f"step={step} val_error={x + 1.0 / (step + 1):.6f}", flush=True)
+    time.sleep(0.05 if x < 0.6 else 0.2)  # those pruned still run when the request reaches their worker
+"""
+
+
+def study_trials(storage: str) -> list[tuple[int, str, str, dict[int, float]]]:
+    """Each trial of the study ``demo``: number, state, reason, intermediate values."""
+    study = optuna.load_study(study_name="demo", storage=storage)
+    return [(t.number, t.state.name, t.user_attrs.get("reason", ""), dict(t.intermediate_values))
+            for t in study.get_trials(deepcopy=False)]
+
+
+def test_a_pruned_sweep_records_on_dask_what_it_records_on_this_machine(cluster: LocalDask,
+                                                                        write_scenario: WriteScenario,
+                                                                        tmp_path: Path) -> None:
+    """Pruned at the step the pruner judged, with no later value in the study, on both paths."""
+    path = write_scenario(tmp_path, drop=("search.trials", "parameters.opt"), template_text=STEP_LINES,
+                          files={"design.csv": "x\n0.5\n0.9\n0.1\n0.7\n"},
+                          search={"method": "csv", "csv": "design.csv", "pruner": "successive_halving"})
+    scenario = load_scenario(path)
+    recorded = {}
+    for name, executor in (("local", LocalExecutor()),
+                           ("dask", open_cluster(Cluster(address=cluster.address), scenario.resources, timeout=10))):
+        storage = f"sqlite:///{tmp_path / name}.db"
+        sweep = Sweep(SweepConfig(scenario, storage, tmp_path / name, (Slot(0, (), 1, 1),), 1), executor)
+        sweep.prepare()
+        sweep.run()
+        recorded[name] = study_trials(storage)
+    assert [(state, reason) for _, state, reason, _ in recorded["local"]] == [
+        ("COMPLETE", ""), ("PRUNED", "pruned at step 1"), ("COMPLETE", ""), ("PRUNED", "pruned at step 1")]
+    assert recorded["dask"] == recorded["local"]
 
 
 def tokens_alive(token_prefix: str) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpo.executor import LocalExecutor, TrialSpec, judge, saved_result
+from hpo.executor import LocalExecutor, TrialControl, TrialSpec, judge, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome
 from hpo.render import TrialFile
@@ -73,9 +73,9 @@ def test_judge(text: str, exit_code: int, ended_by: str | None, outcome: str, va
         outcome, value, held_out, reason)
 
 
-class BareControl:
-    """Records what the executor tells the sweep (a control without ``record``); asks to
-    prune at ``prune_at``; each pruner question takes ``ask_s``."""
+class Control(TrialControl):
+    """Records what the executor tells the sweep; asks to prune at ``prune_at``; each pruner
+    question takes ``ask_s``."""
 
     def __init__(self, prune_at: int | None = None, end: str | None = None, ask_s: float = 0.0) -> None:
         self.gpus: Sequence[int] | None = None
@@ -97,15 +97,11 @@ class BareControl:
             self.decided = step
         return self.decided is not None
 
-    def end_request(self) -> str | None:
-        return self.end
-
-
-class Control(BareControl):
-    """A :class:`BareControl` that also takes values the pruner need not judge."""
-
     def record(self, step: int, value: float) -> None:
         self.values.append((step, value))
+
+    def end_request(self) -> str | None:
+        return self.end
 
 
 def spec(tmp_path: Path, code: str, objective: Objective = OBJECTIVE, timeout: float | None = 30,
@@ -332,11 +328,22 @@ def test_the_pruner_judges_every_step_in_turn_however_fast_they_come(tmp_path: P
     assert [step for step, _ in control.values] == list(range(1, 301))  # the rest recorded once it ended
 
 
-def test_a_control_without_record_gets_every_value_through_intermediate(tmp_path: Path) -> None:
-    control = BareControl()
-    result = LocalExecutor().run(spec(tmp_path, """\
-        for step in range(1, 201):
-            print(f'{{"step": {step}, "val_error": 0.5}}')
-        print("val_error=0.5")
-        """), control)
-    assert result.outcome is Outcome.COMPLETE and control.judged == list(range(1, 201))
+def test_the_sweeps_control_and_a_dask_workers_are_one_trial_control() -> None:
+    """Both implement every method of the one interface; a subclass missing one is refused."""
+    from hpo.dask_executor import _WorkerControl
+    from hpo.engine import _Control
+
+    assert issubclass(_Control, TrialControl) and issubclass(_WorkerControl, TrialControl)
+
+    class WithoutRecord(TrialControl):
+        def started(self, gpus: Sequence[int]) -> None:
+            """Nothing to note."""
+
+        def intermediate(self, step: int, value: float) -> bool:
+            return False
+
+        def end_request(self) -> str | None:
+            return None
+
+    with pytest.raises(TypeError, match="record"):
+        WithoutRecord()  # type: ignore[abstract]

@@ -9,14 +9,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpo.executor import LocalExecutor, TrialSpec
+from hpo.executor import LocalExecutor, TrialControl, TrialSpec
 from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import TrialFile
 from hpo.scenario import Objective
 
 
-class Control:
+class Control(TrialControl):
     """Records the intermediate values the executor reports; asks to prune from ``prune_at`` on."""
 
     def __init__(self, prune_at: int | None = None) -> None:
@@ -29,6 +29,9 @@ class Control:
     def intermediate(self, step: int, value: float) -> bool:
         self.values.append((step, value))
         return self.prune_at is not None and step >= self.prune_at
+
+    def record(self, step: int, value: float) -> None:
+        self.values.append((step, value))
 
     def end_request(self) -> str | None:
         return None
