@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 import optuna
 
-from hpo.scenario import Param, Scenario
+from hpo.scenario import Param, Scenario, Search
 
 
 def make_sampler(scenario: Scenario, seed: int, resumed_at: int = 0) -> optuna.samplers.BaseSampler:
@@ -71,3 +71,21 @@ def make_pruner(scenario: Scenario) -> optuna.pruners.BasePruner:
     if search.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=search.max_step or HYPERBAND_MAX_STEP)
     return optuna.pruners.NopPruner()
+
+
+def describe_pruner(search: Search) -> str:
+    """The pruner in a few words for the sweep's plan line (empty for ``none``). Hyperband's
+    says the steps its brackets span, and where ``search.max_step`` is not set that they are
+    the default's: a script that reports 10 epochs gets brackets built for 81, in which a
+    trial whose rungs lie past its last step is never pruned, and the line is where it is told.
+    """
+    if search.pruner == "none":
+        return ""
+    if search.pruner == "successive_halving":
+        return "pruner successive_halving (rungs at steps 1, 4, 16, ...)"
+    if search.pruner == "hyperband":
+        if search.max_step is None:
+            return (f"pruner hyperband over steps 1..{HYPERBAND_MAX_STEP} (search.max_step not set: "
+                    "set it to the last step a trial reports)")
+        return f"pruner hyperband over steps 1..{search.max_step} (search.max_step)"
+    return f"pruner {search.pruner}"

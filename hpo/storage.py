@@ -11,16 +11,19 @@ recovered as lost ones are).
 machines, so the trial budget is exact; a server's lock can be lost in an outage, and the
 lock says so (:class:`LockLost`). :class:`Retrying` runs store calls through an
 outage: it retries with backoff for ``resources.store_retry`` seconds, then raises
-:class:`StoreUnavailable` with one line that says so.
+:class:`StoreUnavailable` with one line that says so. A store whose disk is full is such an
+outage, told as one (:func:`disk_full`).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import threading
@@ -90,6 +93,9 @@ _CREATE_RACE = re.compile(r"already exists|UNIQUE constraint failed|duplicate ke
 REFUSED_GRACE_S = 3.0
 _REFUSED = re.compile(r"Connection refused", re.IGNORECASE)
 _NO_TABLES = re.compile(r'relation "\w+" does not exist|no such table|Table \S+ doesn\'t exist', re.IGNORECASE)
+_DISK_FULL = re.compile(r"database or disk is full|No space left on device|Disk quota exceeded", re.IGNORECASE)
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_ERRNO = re.compile(r"^\[Errno \d+\] ")
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
                                 r"server closed the connection unexpectedly|"
                                 r"the database system is (starting up|shutting down|in recovery)", re.IGNORECASE)
@@ -112,10 +118,10 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     check_url(url)
     journal = journal_path(url)
     if journal is not None:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalStorage
 
         journal.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(journal)))
+        return JournalStorage(_journal_file(journal))
     sqlite = sqlite_path(url)
     kwargs: dict[str, Any] = {}
     if sqlite is not None:
@@ -242,6 +248,44 @@ def _while_refused(fn: Callable[[], T]) -> T:
             time.sleep(0.25)
 
 
+def _journal_file(path: Path) -> optuna.storages.journal.JournalFileBackend:
+    """Optuna's journal file at ``path``, its records appended whole or not at all (Optuna's
+    own append leaves the part a full disk took, and the next record written after it makes
+    the line, and so the whole journal, unreadable)."""
+    from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+
+    lock = JournalFileSymlinkLock(str(path))  # Optuna's default lock, as its other users of the file take it
+
+    class WholeRecords(JournalFileBackend):
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+            lock.acquire()
+            try:
+                _append_whole(path, data)
+            finally:
+                lock.release()
+
+    return WholeRecords(str(path), lock_obj=lock)
+
+
+def _append_whole(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` and sync it; where that fails part-way, the file is cut
+    back to its length before, and the error raised."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            rest = memoryview(data)
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
 def _missing_driver(url: str, exc: ImportError) -> InputError:
     return InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
                       f"pip install 'hpo[postgres]' for PostgreSQL")
@@ -341,10 +385,9 @@ def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None]
                 noted = float("inf")
             time.sleep(LOCK_POLL_S)
     with contextlib.suppress(OSError):  # a note for whoever waits, not worth failing the section for
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{HOST}:{os.getpid()}\n")
-        handle.flush()
+        # written past Python's buffer: a write a full disk refused would fail the file's close
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), f"{HOST}:{os.getpid()}\n".encode())
 
 
 def _note_wait(lock_path: Path, on_wait: Callable[[str], None]) -> None:
@@ -429,6 +472,41 @@ def _refused(exc: BaseException | None) -> bool:
     return _said(exc, _REFUSED)
 
 
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an error under it says the store's disk is full (SQLite's
+    ``database or disk is full``, ENOSPC, a quota), as reads go on answering."""
+    while exc is not None:
+        if (isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS) or _DISK_FULL.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_space(path: Path | None) -> str:
+    """How much room the disk of the file ``path`` has, in words (``0 bytes free on /mnt``);
+    of a server's store (None), that the disk is the server's."""
+    if path is None:
+        return "on the database server"
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.is_dir()), Path("/"))
+    mount = next(p for p in (folder, *folder.parents) if os.path.ismount(p) or p == p.parent)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return f"on {mount}"
+    return f"{_amount(free)} free on {mount}"
+
+
+def _amount(size: float) -> str:
+    """``size`` bytes in words: ``512 bytes``, ``3.5 MiB``."""
+    if size < 1024:
+        return f"{size:.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} TiB"
+
+
 def _said(exc: BaseException | None, words: re.Pattern[str]) -> bool:
     """Whether ``exc`` or an error in its cause chain has ``words`` in its message."""
     while exc is not None:
@@ -447,8 +525,18 @@ def _root_cause(exc: BaseException) -> str:
 
 
 class Retrying:
-    """Runs store calls, retrying transient failures (server down, database locked) with
-    exponential backoff until ``deadline_s`` seconds have passed without success.
+    """Runs store calls, retrying transient failures (server down, database locked, disk
+    full) with exponential backoff until ``deadline_s`` seconds have passed without success.
+
+    An outage is said in one line when a call first fails and one when it ends: when a call
+    that failed in it answers, or (but on a full disk) any call does once none is failing (the
+    failing ones gave up). A call that never failed does not end it: where reads answer while
+    writes fail, as on a full disk, the outage lasts until a write goes through.
+
+    A full disk (:func:`disk_full`) is waited out as any outage, and said as what it is, with
+    the room left on the store's disk: the user can free space while running trials go on,
+    and the failed write, which SQLite rolled back whole, is then made; once ``deadline_s``
+    has passed the worker stops as for any outage, and ``hpo run`` resumes.
 
     Args:
         url: the store, named (password masked) in messages.
@@ -463,11 +551,14 @@ class Retrying:
     def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None,
                  before_attempt: Callable[[], None] = lambda: None) -> None:
         self._url = redact(url)
+        self._path = local_path(url)
         self._deadline_s = deadline_s
         self._on_outage = on_outage or (lambda message: _log.warning("%s", message))
         self._errors = _transient_errors()
         self._before_attempt = before_attempt
         self._down_since: float | None = None
+        self._down_full = False  # the outage is a full disk
+        self._failing = 0  # calls that failed and have neither answered nor given up yet
         self._up_since = float("-inf")
         self._lock = threading.RLock()  # re-entrant: hurry() may run in a signal handler of a thread that holds it
         self._hurried: tuple[float, float] | None = None  # since when, and for how long calls still retry
@@ -508,33 +599,64 @@ class Retrying:
         """``fn(*args, **kwargs)``, retried through an outage (see the class docstring)."""
         start = time.monotonic()
         pause = 0.2
-        while True:
-            self._before_attempt()
-            try:
-                result = fn(*args, **kwargs)
-            except self._errors as exc:
-                elapsed = time.monotonic() - start
-                first_line = _root_cause(exc)
+        failed = False
+        try:
+            while True:
+                self._before_attempt()
+                try:
+                    result = fn(*args, **kwargs)
+                except Exception as exc:
+                    if not (isinstance(exc, self._errors) or disk_full(exc)):
+                        raise
+                    if not failed:
+                        failed = True
+                        with self._lock:
+                            self._failing += 1
+                    self._pause_or_give_up(exc, start, pause)
+                    pause = min(pause * 2, MAX_PAUSE_S)
+                    continue
+                self._answered(failed)
+                return result
+        finally:
+            if failed:
                 with self._lock:
-                    if self._down_since is None:
-                        self._down_since = time.monotonic()
-                        self._on_outage(f"the store {self._url} is not answering ({first_line[:160]}); "
-                                        f"retrying for up to {self._deadline_s:g} s")
-                with self._lock:
-                    left = self._deadline_s - elapsed
-                    hurried, wake = self._hurried, self._wake
-                if hurried is not None:
-                    left = min(left, max(hurried[0], start) + hurried[1] - time.monotonic())
-                if left <= 0:
-                    why = "the sweep is stopping" if hurried else "resources.store_retry"
-                    raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "
-                                           f"({why}): {first_line[:200]}") from None
-                wake.wait(min(pause, left))
-                pause = min(pause * 2, MAX_PAUSE_S)
-                continue
-            with self._lock:
-                if self._down_since is not None:
-                    self._on_outage(f"the store answers again after {time.monotonic() - self._down_since:.0f} s")
-                    self._down_since = None
-                    self._up_since = time.monotonic()
-            return result
+                    self._failing -= 1
+
+    def _pause_or_give_up(self, exc: BaseException, start: float, pause: float) -> None:
+        """Say the outage if it starts with ``exc``; then pause ``pause`` seconds, or raise
+        :class:`StoreUnavailable` when the call that began at ``start`` may retry no more."""
+        elapsed = time.monotonic() - start
+        full = disk_full(exc)
+        first_line = _ERRNO.sub("", _root_cause(exc)) if full else _root_cause(exc)
+        with self._lock:
+            if self._down_since is None:
+                self._down_since, self._down_full = time.monotonic(), full
+                self._on_outage(
+                    f"the store {self._url} cannot be written: {first_line[:160]} ({free_space(self._path)}); "
+                    f"free space there and the sweep goes on: retrying for up to {self._deadline_s:g} s" if full else
+                    f"the store {self._url} is not answering ({first_line[:160]}); "
+                    f"retrying for up to {self._deadline_s:g} s")
+            left = self._deadline_s - elapsed
+            hurried, wake = self._hurried, self._wake
+        if hurried is not None:
+            left = min(left, max(hurried[0], start) + hurried[1] - time.monotonic())
+        if left <= 0:
+            why = "the sweep is stopping" if hurried else "resources.store_retry"
+            if full:
+                raise StoreUnavailable(f"the store {self._url} could not be written for {elapsed:.0f} s ({why}): "
+                                       f"{first_line[:200]} ({free_space(self._path)})") from None
+            raise StoreUnavailable(f"the store {self._url} has not answered for {elapsed:.0f} s "
+                                   f"({why}): {first_line[:200]}") from None
+        wake.wait(min(pause, left))
+
+    def _answered(self, failed: bool) -> None:
+        """A call answered (``failed``: after failing): the outage, if any, ends when this call
+        had failed in it or, unless the disk is full (a read answers there), no call is failing."""
+        with self._lock:
+            if self._down_since is None or not (failed or (self._failing == 0 and not self._down_full)):
+                return
+            took = time.monotonic() - self._down_since
+            self._on_outage(f"the store {self._url} can be written again after {took:.0f} s" if self._down_full
+                            else f"the store answers again after {took:.0f} s")
+            self._down_since = None
+            self._up_since = time.monotonic()

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from hpo import space
 from hpo.errors import InputError
 from hpo.optimizer import SmacSampler
-from hpo.samplers import build_sampler, make_pruner
+from hpo.samplers import build_sampler, describe_pruner, make_pruner
 from hpo.scenario import Param, load_scenario
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -439,3 +439,20 @@ def test_rungs_compare_values_at_the_same_step_whatever_runs_at_once(
         assert together[1][1]["completed_rung_0"] == BASES[1] + 1
         assert [pruned for pruned, _ in together] == [False, False, False]  # each the best step-1 value so far
 
+
+
+@pytest.mark.parametrize(("search", "said"), [
+    pytest.param({}, "", id="none"),
+    pytest.param({"pruner": "median"}, "pruner median", id="median"),
+    pytest.param({"pruner": "successive_halving"}, "pruner successive_halving (rungs at steps 1, 4, 16, ...)",
+                 id="successive-halving"),
+    pytest.param({"pruner": "hyperband"}, "pruner hyperband over steps 1..81 (search.max_step not set: "
+                 "set it to the last step a trial reports)", id="hyperband-default"),
+    pytest.param({"pruner": "hyperband", "max_step": 10}, "pruner hyperband over steps 1..10 (search.max_step)",
+                 id="hyperband-max-step"),
+])
+def test_the_plan_says_which_steps_the_pruner_plans_for(tmp_path: Path, write_scenario: Callable[..., Path],
+                                                         search: dict[str, Any], said: str) -> None:
+    """A script reporting 10 epochs under Hyperband's default of 81 is told so before it runs."""
+    scenario = load_scenario(write_scenario(tmp_path, search={"method": "tpe", "trials": 3, **search}))
+    assert describe_pruner(scenario.search) == said

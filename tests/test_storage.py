@@ -338,6 +338,35 @@ def test_retrying_rides_out_an_outage_and_says_so() -> None:
     assert call.healthy_since is not None and call.healthy_since > float("-inf")
 
 
+def test_an_outage_ends_when_a_failing_call_answers_not_when_another_does() -> None:
+    """Where some calls answer while others fail (reads go on, writes fail), the outage is
+    said once and ends when a failing call answers; once none is failing, any call ends it."""
+    said: list[str] = []
+    call = Retrying("sqlite:///x.db", deadline_s=30, on_outage=said.append)
+    failing = threading.Event()
+    failing.set()
+
+    def write() -> int:
+        if failing.is_set():
+            raise optuna.exceptions.StorageInternalError("attempt to write a readonly database")
+        return 1
+
+    writer = threading.Thread(target=call, args=(write,))
+    writer.start()
+    until = time.monotonic() + 10
+    while not said and time.monotonic() < until:
+        time.sleep(0.01)
+    assert [call(lambda: 2) for _ in range(3)] == [2, 2, 2]
+    assert len(said) == 1 and call.healthy_since is None
+    failing.clear()
+    writer.join(10)
+    assert len(said) == 2 and said[1].startswith("the store answers again")
+    gave_up = Retrying("sqlite:///x.db", deadline_s=0.3, on_outage=said.append)
+    with pytest.raises(StoreUnavailable):
+        gave_up(_Flaky(10**6), 1)
+    assert gave_up(lambda: 3) == 3 and said[-1].startswith("the store answers again")
+
+
 def test_retrying_gives_up_after_its_deadline_with_one_line() -> None:
     call = Retrying("sqlite:///x.db", deadline_s=0.5, on_outage=lambda message: None)
     began = time.monotonic()

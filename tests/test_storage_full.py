@@ -1,0 +1,142 @@
+"""A store on a full disk: one line that says so and names the disk, no flapping while reads
+go on answering, a wait for space that ends when a write goes through, and a journal that a
+refused write leaves readable. The disk is a real one, a tiny tmpfs, so the errors are the
+real ones (SQLite's ``database or disk is full``, ENOSPC); mounting it needs root."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import cli_env
+
+from hpo.scenario import load_scenario
+from hpo.storage import ask_lock, open_storage
+from hpo.store import StudyStore
+
+WriteScenario = Callable[..., Path]
+DISK_BYTES = 1 << 20
+
+
+class Disk:
+    """A mounted tmpfs of :data:`DISK_BYTES` that a test fills and frees."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+        self._filler = mount / "filler"
+
+    def fill(self) -> None:
+        """Take every byte left, as a runaway checkpoint or log would."""
+        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        """Give the space back, as a user who deleted something would."""
+        self._filler.unlink()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Disk]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here (it needs root): {mounted.stderr.strip()}")
+    try:
+        yield Disk(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
+    until = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < until, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_full_disk_is_said_once_and_waited_out_until_a_write_goes_through(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = load_scenario(write_scenario(tmp_path, resources={"store_retry": 60}))
+    url = f"sqlite:///{disk.mount}/study.db"
+    said: list[str] = []
+    store = StudyStore(scenario, url, on_outage=said.append)
+    disk.fill()
+    writer = threading.Thread(target=store.set_study_attr, args=("note", "x" * 10_000))
+    writer.start()
+    _wait_until(lambda: bool(said))
+    for _ in range(10):  # reads answer on a full disk: they end no outage
+        assert store.rows() == [] and "note" not in store.user_attrs
+        time.sleep(0.1)
+    assert writer.is_alive() and len(said) == 1
+    assert said[0] == (f"the store {url} cannot be written: database or disk is full (0 bytes free on "
+                       f"{disk.mount}); free space there and the sweep goes on: retrying for up to 60 s")
+    disk.free()
+    writer.join(30)
+    assert not writer.is_alive()
+    assert len(said) == 2 and re.fullmatch(rf"the store {re.escape(url)} can be written again after \d+ s", said[1])
+    assert store.user_attrs["note"] == "x" * 10_000
+
+
+def test_a_journal_write_that_the_disk_refuses_part_way_leaves_the_journal_readable(disk: Disk) -> None:
+    url = f"journal:{disk.mount}/study.log"
+    study = optuna.create_study(storage=open_storage(url), study_name="s")
+    disk.fill()  # the journal's last page still has room for the start of a record
+    with pytest.raises(OSError, match="No space left on device"):
+        study.set_user_attr("big", "x" * 20_000)
+    disk.free()
+    study.set_user_attr("after", 1)
+    assert optuna.load_study(study_name="s", storage=open_storage(url)).user_attrs == {"after": 1}
+
+
+def test_the_ask_lock_is_taken_and_released_on_a_full_disk(disk: Disk) -> None:
+    disk.fill()
+    with ask_lock(f"sqlite:///{disk.mount}/study.db"):
+        pass
+
+
+def test_hpo_run_on_a_full_disk_waits_for_space_then_runs_the_sweep(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, resources={"store_retry": 60})
+    url = f"sqlite:///{disk.mount}/study.db"
+    disk.fill()
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert run.stdout is not None
+    first = run.stdout.readline()
+    assert first == (f"hpo: the store {url} cannot be written: database or disk is full (0 bytes free on "
+                     f"{disk.mount}); free space there and the sweep goes on: retrying for up to 60 s\n")
+    disk.free()
+    out = first + run.communicate(timeout=60)[0]
+    assert run.returncode == 0, out
+    assert re.search(rf"^hpo: the store {re.escape(url)} can be written again after \d+ s$", out, re.MULTILINE), out
+    assert out.count("the store") == 2 and "2/2 trials done: 2 complete" in out, out
+
+
+def test_hpo_run_stops_with_one_line_when_no_space_comes(disk: Disk, tmp_path: Path,
+                                                        write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, resources={"store_retry": 1})
+    url = f"sqlite:///{disk.mount}/study.db"
+    disk.fill()
+    done = subprocess.run([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert re.fullmatch(rf"error: the store {re.escape(url)} could not be written for \d+ s \(resources.store_retry\): "
+                        rf"database or disk is full \(0 bytes free on {re.escape(str(disk.mount))}\); results of "
+                        r"finished trials are kept in their folders and recorded on resume\n", done.stderr)
