@@ -6,9 +6,9 @@ divided among all the slots of the machine, whichever worker process owns them. 
 trial's command is an argument list, never a shell string; under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
 runs in its own session; its output is logged as it comes and handed on in order, every
-line of it before the run returns; on timeout, stop or interrupt the whole tree is killed. Every
-process carries ``HPO_TRIAL_TOKEN``: when the trial's process ends, those that left its tree
-are killed by it, as are orphans of a killed sweep.
+line of it before the run returns; on timeout, stop, interrupt or a log that cannot be
+written the whole tree is killed. Every process carries ``HPO_TRIAL_TOKEN``: when the trial's
+process ends, those that left its tree are killed by it, as are orphans of a killed sweep.
 """
 from __future__ import annotations
 
@@ -377,15 +377,16 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
     however many were left over; output that a process which left the tree keeps sending
     into the pipe is read for ``KILL_GRACE_S`` after the end, then dropped.
 
-    ``should_end`` is polled every ``POLL_S`` while it runs: a non-None answer (e.g.
-    ``"stopped"``) ends the process tree and becomes ``ended_by``, as does ``"timeout"``
-    after ``timeout`` seconds. Once the process has ended, its tree and every process that
-    carries ``env``'s trial token are killed before this returns, so no trial process
-    outlives it. ``duration_s`` is how long the process ran.
+    ``should_end`` is first asked as soon as the process runs (never for one that could not
+    start), then every ``POLL_S`` while it runs: a non-None answer (e.g. ``"stopped"``) ends
+    the process tree and becomes ``ended_by``, as does ``"timeout"`` after ``timeout``
+    seconds, and ``cannot write trial.log: ...`` once the log cannot be written (a full disk,
+    a file-size limit: the output read until then is still handled). Once the process has
+    ended, its tree and every process that carries ``env``'s trial token are killed before
+    this returns, so no trial process outlives it. ``duration_s`` is how long the process ran.
 
-    A log that cannot be written (a full disk) makes ``ended_by`` ``cannot write trial.log:
-    ...`` once the process has ended (its output is still read and handled); a start refused
-    for one of :data:`MACHINE_LIMITS` raises :class:`ExecutorUnavailable`.
+    A start refused for one of :data:`MACHINE_LIMITS` raises :class:`ExecutorUnavailable`;
+    one refused otherwise (no such program) returns exit code 127 and ``cannot start ...``.
     """
     start = time.monotonic()
     try:
@@ -410,8 +411,11 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         handler.start()
         ended_by: str | None = None
         try:
+            ended_by = should_end()
             while ended_by is None and not _exits_within(proc, POLL_S):
-                if timeout is not None and time.monotonic() - start > timeout:
+                if output.failure is not None:
+                    ended_by = output.failure
+                elif timeout is not None and time.monotonic() - start > timeout:
                     ended_by = "timeout"
                 else:
                     ended_by = should_end()
@@ -465,7 +469,7 @@ class _Output:
     at most :data:`QUEUED_LINES`: a process that prints faster than its lines are handled
     waits on its pipe, as it would without hpo. A log that cannot be written (a full disk, a
     file-size limit) is written no more, the lines still queued, and :attr:`failure` says why
-    (the trial fails, its process not held up)."""
+    (:func:`run_process` ends the process then: the trial fails)."""
 
     def __init__(self, log: Any, name: str) -> None:
         self.log = log

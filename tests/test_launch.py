@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -332,18 +333,38 @@ def test_runs_in_cwd_with_env(tmp_path: Path) -> None:
     assert lines == [f"{tmp_path} 42\n"]
 
 
-def test_a_log_that_cannot_be_written_fails_the_trial_without_holding_it_up(tmp_path: Path) -> None:
+def test_a_log_that_cannot_be_written_ends_the_process_at_once(tmp_path: Path) -> None:
     """/dev/full refuses every write (ENOSPC), as a full disk or a file-size limit does: the
-    output is still read to its end and handled, and the trial ends when its process does."""
+    process is ended as a timeout ends it, not left to train unlogged to its end (here 30 s),
+    and the lines read until then are handled."""
     script = tmp_path / "child.py"
-    script.write_text("for i in range(20000):\n    print('y' * 1000)\nprint('val_error=0.5')\n")
+    script.write_text("import time\nprint('val_error=0.5', flush=True)\ntime.sleep(30)\n")
     lines: list[str] = []
     began = time.monotonic()
     result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), Path("/dev/full"), 60,
                          lambda batch, running: lines.extend(batch), lambda: None)
-    assert time.monotonic() - began < 20
-    assert result.exit_code == 0 and len(lines) == 20001 and lines[-1] == "val_error=0.5\n"
+    assert time.monotonic() - began < 10
     assert result.ended_by == "cannot write full: No space left on device (the output past it is lost)"
+    assert result.exit_code == -signal.SIGTERM and _gone(result.pid)
+    assert lines == ["val_error=0.5\n"]
+
+
+def test_should_end_is_asked_as_soon_as_the_process_runs_and_never_for_one_that_did_not_start(
+        tmp_path: Path) -> None:
+    """A process that exits before the first poll was still asked (the sweep announces a start
+    then: :class:`hpo.engine._Control`); one that could not start never is."""
+    asked: list[str] = []
+
+    def should_end() -> None:
+        asked.append("asked")
+
+    quick = run_process(["true"], tmp_path, dict(os.environ), tmp_path / "trial.log", 30,
+                        lambda batch, running: None, should_end)
+    assert quick.exit_code == 0 and asked
+    asked.clear()
+    missing = run_process([str(tmp_path / "no-such-program")], tmp_path, dict(os.environ), tmp_path / "trial.log",
+                          30, lambda batch, running: None, should_end)
+    assert missing.exit_code == 127 and not asked
 
 
 def test_a_start_refused_by_a_limit_of_the_machine_stops_the_sweep(tmp_path: Path) -> None:
