@@ -148,11 +148,13 @@ class _Signals:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def exit_code(self) -> int | None:
-        """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), or None."""
+    def exit_code(self, note: str = "") -> int | None:
+        """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), or None; ``note``
+        leads the closing line (where the stop found the sweep, e.g. waiting for the ask lock)."""
         if self.signum is None:
             return None
-        print(f"interrupted: {self._ended}", file=sys.stderr, flush=True)
+        print(f"interrupted: {note}; {self._ended}" if note else f"interrupted: {self._ended}",
+              file=sys.stderr, flush=True)
         return 128 + self.signum
 
 
@@ -184,6 +186,15 @@ def describe_plan(slots: Sequence[Any], executor: Any = None, parallel: tuple[in
         room = f"{share} trials per GPU" if share > 1 else f"{plural(len(slots[0].gpus), 'GPU')} per trial"
         capped = f" ({parallel[1]} {parallel[0]} capped to {len(slots)}: {plural(gpus, 'GPU')}, {room})"
     return f"{plural(len(slots), 'slot')}{capped}: {'; '.join(kinds)}"
+
+
+def _plan_line(ctx: Context, args: argparse.Namespace, slots: Sequence[Any], executor: Any) -> str:
+    """The plan a sweep starts with: its slots (:func:`describe_plan`) and, where it has one,
+    its pruner and the steps that pruner plans for (:func:`hpo.samplers.describe_pruner`)."""
+    from hpo.samplers import describe_pruner
+
+    return "; ".join(filter(None, (describe_plan(slots, executor, _asked(ctx, args)),
+                                   describe_pruner(ctx.scenario.search))))
 
 
 def _asked(ctx: Context, args: argparse.Namespace) -> tuple[int | str, str] | None:
@@ -242,12 +253,12 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         sweep.prepare()
         signals = _Signals(lambda signum: sweep.stop())
         with signals.installed(), ProgressView(sweep.store, sweep.budget,
-                                                describe_plan(slots, executor, _asked(ctx, args))) as view:
+                                                _plan_line(ctx, args, slots, executor)) as view:
             sweep.run(view)
     finally:
         if executor:
             executor.close()
-    code = signals.exit_code()
+    code = signals.exit_code(sweep.stop_note)
     return EXIT_OK if code is None else code
 
 
@@ -301,7 +312,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
     signals = _Signals(forward)
     with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, describe_plan(slots, executor, _asked(ctx, args))) as view:
+        with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view:
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
         codes = [proc.wait() for proc in procs]
     code = signals.exit_code()
@@ -643,6 +654,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from hpo.engine import preflight
     from hpo.launch import plural
     from hpo.render import Renderer
+    from hpo.samplers import describe_pruner
     from hpo.storage import optuna_url, reach
     from hpo.store import check_resume
 
@@ -657,8 +669,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     reach(ctx.storage, create=False)
     _quiet_optuna()
     check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
+    pruner = describe_pruner(scenario.search)
     print(f"ok: {scenario.name}: {plural(len(scenario.parameters), 'parameter')}, method {scenario.search.method}, "
-          f"{plural(budget, 'trial')}, {where}")
+          f"{pruner + ', ' if pruner else ''}{plural(budget, 'trial')}, {where}")
     print(f"store: {optuna_url(ctx.storage)}")
     if cluster is not None and cluster.address is not None:
         print(f"cluster: the Dask scheduler at {cluster.address} (not contacted)")

@@ -16,7 +16,9 @@ run, and one it judged lost is announced as recorded, this worker's own result n
 and recorded INTERRUPTED (their configuration queued again), trials claimed ahead go
 back to WAITING, and nothing stays RUNNING. Every trial ends as a recorded result, never
 as an exception that escapes the loop; only a store that stays down past
-``resources.store_retry`` stops the worker (:class:`~hpo.storage.StoreUnavailable`).
+``resources.store_retry`` stops the worker (:class:`~hpo.storage.StoreUnavailable`). A
+wait for the study's ask lock that the stop ended (its holder was stopped with SIGSTOP, say)
+is part of the stop, not a store failure: :attr:`Sweep.stop_note` says so.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
 from hpo.scheduler import Claim, Scheduler
+from hpo.storage import ask_lock_holder
 from hpo.store import SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
 
@@ -165,6 +168,7 @@ class Sweep:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
+        self._lock_wait_ended = False
         self._gone: list[Recovered] = []  # found before the observer came
         self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial,
                                  self._found_gone)
@@ -234,6 +238,21 @@ class Sweep:
         """Whether :meth:`stop` was called (or the store stayed down)."""
         return self._stopping.is_set()
 
+    @property
+    def stop_note(self) -> str:
+        """'' unless the stop ended a wait for the study's ask lock: then that it stopped
+        while waiting for it, naming its holder."""
+        if not self._lock_wait_ended:
+            return ""
+        holder = ask_lock_holder(self.config.storage)
+        return "stopped while waiting for the study's ask lock" + (f", held by {holder}" if holder else "")
+
+    def _ends_lock_wait(self, error: BaseException) -> bool:
+        """Whether ``error`` is a wait for the ask lock that the stop ended: once stopping, a
+        StoreUnavailable while the store answers (:func:`hpo.storage.ask_lock` gives up then)."""
+        return isinstance(error, StoreUnavailable) and self._stopping.is_set() \
+            and self.store.call.healthy_since is not None
+
     def run(self, observer: Observer | None = None) -> None:
         """Run trials on every slot until the budget is spent or :meth:`stop` is called.
 
@@ -259,7 +278,11 @@ class Sweep:
             raise self._fatal
 
     def _on_fatal(self, error: BaseException) -> None:
-        if self._fatal is None:
+        """Stop the sweep for ``error``, which :meth:`run` raises, unless it is a wait for the
+        ask lock that the stop ended (:meth:`_ends_lock_wait`)."""
+        if self._ends_lock_wait(error):
+            self._lock_wait_ended = True
+        elif self._fatal is None:
             self._fatal = error
         self.stop()
 
@@ -449,7 +472,8 @@ class Sweep:
 
     def _settle(self, claim: Claim, result: TrialResult) -> None:
         """Record how ``claim`` ended (back to WAITING if it never started; nothing if another
-        worker ended it first: :meth:`_ended_elsewhere`)."""
+        worker ended it first: :meth:`_ended_elsewhere`); a record that the stop left undone
+        (it needed the ask lock: :meth:`_ends_lock_wait`) is said."""
         if self._never_started(claim, result):
             self._release(claim)
             return
@@ -460,6 +484,12 @@ class Sweep:
                 self._say(f"trial {claim.number} was judged lost by another worker just before its "
                           f"{result.outcome} could be recorded: the study keeps that worker's record; this "
                           f"result stays in {claim.folder}")
+        except StoreUnavailable as exc:
+            if self._ends_lock_wait(exc):
+                self._say(f"trial {claim.number} could not be recorded {result.outcome}: that needs the study's ask "
+                          f"lock, which the sweep stopped waiting for; it shows RUNNING until the study is resumed, "
+                          f"which records it from {claim.folder}")
+            raise
         finally:
             with self._lock:
                 self._running.pop(claim.number, None)
@@ -467,7 +497,13 @@ class Sweep:
 
 
 class _Control:
-    """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`)."""
+    """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`).
+
+    :meth:`started` comes before the trial's process is started, so the observer hears of the
+    start only once the executor asks the sweep anything after it (:func:`hpo.launch.run_process`
+    asks :meth:`end_request` as soon as the process runs, never for one that could not start):
+    a trial whose process never ran is announced by its end alone, which says why.
+    """
 
     def __init__(self, sweep: Sweep, claim: Claim, slot: Slot) -> None:
         self._sweep = sweep
@@ -475,6 +511,8 @@ class _Control:
         self._slot = slot
         self._pruning = sweep.config.scenario.search.pruner != "none" and claim.prunable
         self._pruned = False
+        self._unannounced: TrialStart | None = None
+        self._announcing = threading.Lock()
 
     def _running(self) -> _Running | None:
         with self._sweep._lock:
@@ -491,14 +529,21 @@ class _Control:
         running = self._running()
         if running is not None:
             running.started = True
-        if self._sweep._observer:
-            self._sweep._observer.started(TrialStart(claim.number, claim.params, self._slot.index,
-                                                    self._slot.describe(), claim.folder, claim.repeat_of))
+        self._unannounced = TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
+                                       claim.folder, claim.repeat_of)
         fault_point("started", claim.number)
+
+    def _announce_start(self) -> None:
+        """Tell the observer of the start, once: the trial's process runs (see the class docstring)."""
+        with self._announcing:
+            start, self._unannounced = self._unannounced, None
+            if start is not None and self._sweep._observer:
+                self._sweep._observer.started(start)
 
     def intermediate(self, step: int, value: float) -> bool:
         """Report ``value`` at ``step`` and ask the pruner; once it said prune, report nothing
         more and answer True."""
+        self._announce_start()
         self.record(step, value)
         self._pruned = self._pruned or (self._pruning and bool(self._sweep.store.call(self._claim.trial.should_prune)))
         return self._pruned
@@ -506,10 +551,12 @@ class _Control:
     def record(self, step: int, value: float) -> None:
         """Report ``value`` at ``step`` (a step's first value is kept, as Optuna keeps it)
         without asking the pruner; nothing once it said prune."""
+        self._announce_start()
         if not self._pruned:
             self._sweep.store.call(self._claim.trial.report, value, step)
 
     def end_request(self) -> str | None:
+        self._announce_start()
         if self._sweep._stopping.is_set():
             return "interrupted"
         running = self._running()

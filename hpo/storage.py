@@ -399,15 +399,39 @@ def _note_wait(lock_path: Path, on_wait: Callable[[str], None]) -> None:
 
 
 def _lock_holder(lock_path: Path) -> str:
-    """Who holds the lock at ``lock_path``, in words (as the holder wrote ``host:pid``)."""
+    """The note of a long wait for the lock at ``lock_path``, naming who holds it."""
+    holder = _holder(lock_path)
+    waited = f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock"
+    if holder.startswith("process "):
+        return f"{waited}, held by {holder}"
+    return f"{waited} {lock_path}" + (f", last taken by {holder}" if holder else "")
+
+
+def ask_lock_holder(url: str) -> str:
+    """Who holds the ask lock of the study at ``url``, in words (see :func:`_holder`); ''
+    for a server's lock, which no file names."""
+    local = local_path(url)
+    if local is None:
+        return ""
+    try:
+        return _holder(local.with_name(local.name + ".hpo-lock"))
+    except OSError:
+        return ""
+
+
+def _holder(lock_path: Path) -> str:
+    """Who last took the lock at ``lock_path``, as its file names them (``host:pid``): ``process
+    12 on this machine`` (saying so, and how to resume it, where it is stopped), ``host:12``
+    on another machine, or '' where the file names no one."""
     host, _, pid_text = lock_path.read_text(errors="replace").strip().rpartition(":")
-    if host != HOST or not pid_text.isdigit():
-        return f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock {lock_path}" + \
-            (f", last taken by {host}:{pid_text}" if host else "")
+    if not host or not pid_text.isdigit():
+        return ""
+    if host != HOST:
+        return f"{host}:{pid_text}"
     import psutil  # imported when first needed: most commands never wait
 
     pid = int(pid_text)
-    said = f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock, held by process {pid} on this machine"
+    said = f"process {pid} on this machine"
     try:
         stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
     except psutil.Error:

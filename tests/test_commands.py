@@ -13,6 +13,7 @@ from pathlib import Path
 from conftest import cli_env, run_hpo
 
 WriteScenario = Callable[..., Path]
+RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def test_status_into_a_closed_pipe_exits_0(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -133,3 +134,15 @@ def test_argument_errors_are_one_line(tmp_path: Path, write_scenario: WriteScena
     ]:
         result = run_hpo(*args)
         assert (result.returncode, result.stdout, result.stderr) == (2, "", said), args
+
+
+def test_validate_and_the_sweep_say_which_steps_the_pruner_plans_for(
+        tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli) -> None:
+    """Hyperband without search.max_step plans brackets for 81 steps, which a 10-epoch script
+    never reaches: the plan says so, where it was not said at all."""
+    path = write_scenario(tmp_path, search={"method": "tpe", "trials": 1, "pruner": "hyperband"})
+    said = "pruner hyperband over steps 1..81 (search.max_step not set: set it to the last step a trial reports)"
+    validated = run_cli("validate", path)
+    assert validated.returncode == 0 and f"method tpe, {said}, 1 trial," in validated.stdout
+    ran = run_cli("run", path)
+    assert ran.returncode == 0 and f"; {said}\n" in ran.stdout + ran.stderr

@@ -1,0 +1,117 @@
+"""SIGINT or SIGTERM to a sweep that waits for the study's ask lock, held by a process stopped
+with SIGSTOP: once the stop's grace is over the sweep ends as an interrupted sweep does (exit
+128 + the signal, the closing ``interrupted:`` line), saying that it stopped while waiting for
+the lock and who holds it; not as if the store had failed.
+
+In-process (the CLI's own signal handlers), with the stop's grace cut to half a second."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import cli_env
+
+from hpo import cli
+from hpo.scenario import load_scenario
+from hpo.storage import storage_url
+
+WriteScenario = Callable[..., Path]
+
+HOLDER = """\
+import os, signal, sys
+from hpo.storage import ask_lock
+with ask_lock(sys.argv[1]):
+    print("held", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+TRIAL = """\
+import pathlib, time
+from hpo.results import report
+pathlib.Path("began").touch()
+time.sleep({{ nap }})
+report(val_error={{ x }})
+"""
+
+ENDED = ("running trials were recorded INTERRUPTED and queued again, trials claimed ahead went back to the queue; "
+         "run the same command to resume")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def holders() -> Iterator[Callable[[str], int]]:
+    """Factory: start a process that takes the ask lock of the store at a URL and stops
+    itself (SIGSTOP) holding it; its id. Each is killed at the end."""
+    started: list[subprocess.Popen[str]] = []
+
+    def hold(url: str) -> int:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, url], env=cli_env(), stdout=subprocess.PIPE,
+                                  text=True)
+        started.append(holder)
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        wait_for(lambda: psutil.Process(holder.pid).status() == psutil.STATUS_STOPPED)
+        return holder.pid
+
+    yield hold
+    for holder in started:
+        holder.kill()  # SIGKILL ends a stopped process too
+        holder.wait(10)
+
+
+@pytest.mark.parametrize(("sig", "nap", "waiting"), [
+    pytest.param(signal.SIGINT, 0.2, "to claim", id="SIGINT-claiming-the-next-trial"),
+    pytest.param(signal.SIGTERM, 30, "to record", id="SIGTERM-recording-the-interrupted-trial"),
+])
+def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
+        tmp_path: Path, write_scenario: WriteScenario, holders: Callable[[str], int],
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        sig: signal.Signals, nap: float, waiting: str) -> None:
+    """The lock is taken while trial 0 runs. ``to claim``: the signal comes once trial 0 has
+    ended and the slot waits to claim the next; ``to record``: it comes while trial 0 runs,
+    whose INTERRUPTED record (queued again under the lock) must then wait."""
+    monkeypatch.setattr("hpo.engine.STOPPING_STORE_RETRY_S", 0.5)
+    monkeypatch.setenv("HPO_GPUS", "")
+    path = write_scenario(tmp_path, template_text=TRIAL, drop=["parameters.opt"],
+                          parameters={"nap": {"type": "constant", "value": nap}},
+                          search={"method": "tpe", "trials": 3}, objective={"held_out": []})
+    url = storage_url(load_scenario(path), workdir=tmp_path / "w")
+    first = tmp_path / "w" / "trial-0000"
+    holder: list[int] = []
+
+    def interrupt() -> None:
+        wait_for(lambda: (first / "began").exists())
+        holder.append(holders(url))
+        if waiting == "to claim":
+            wait_for(lambda: (first / "result.json").exists())
+            time.sleep(0.3)
+        os.kill(os.getpid(), sig)
+
+    signaller = threading.Thread(target=interrupt)
+    signaller.start()
+    began = time.monotonic()
+    code = cli.main(["run", str(path), "--workdir", str(tmp_path / "w")])
+    signaller.join()
+    out, err = capsys.readouterr()
+    assert code == 128 + sig, err
+    pid = holder[0]
+    assert err.splitlines()[-1] == (
+        f"interrupted: stopped while waiting for the study's ask lock, held by process {pid} on this machine, which is "
+        f"stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` resumes it; {ENDED}")
+    unrecorded = (f"hpo: trial 0 could not be recorded INTERRUPTED: that needs the study's ask lock, which the sweep "
+                  f"stopped waiting for; it shows RUNNING until the study is resumed, which records it from {first}")
+    assert (unrecorded in out.splitlines()) == (waiting == "to record")
+    assert time.monotonic() - began < 10
