@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
-from hpo.executor import Executor, LocalExecutor, TrialSpec, save_result
+from hpo.executor import Executor, LocalExecutor, TrialControl, TrialSpec, save_result
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
@@ -496,7 +496,7 @@ class Sweep:
         fault_point("settled", claim.number)
 
 
-class _Control:
+class _Control(TrialControl):
     """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`).
 
     :meth:`started` comes before the trial's process is started, so the observer hears of the
