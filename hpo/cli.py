@@ -690,8 +690,12 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     gives it another trial_seed), is never pruned, and does not count toward search.trials.
     """
     from hpo.engine import Sweep
+    from hpo.render import Renderer
 
     ctx = _writing_context(args, existing_study=True)
+    if args.seed is not None and not Renderer(ctx.scenario).sees_trial_seed:
+        raise InputError("--seed: the trial would not see it: no template reads trial_seed and the scenario "
+                         "sets no seed_flag (seed_flag: --seed passes it to a script that takes --seed)")
     slots = _plan(ctx, parallel=1)
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()
@@ -705,11 +709,24 @@ def cmd_rerun(args: argparse.Namespace) -> int:
         return code
     from hpo.progress import format_metrics
 
-    detail = format_metrics(result.value, ctx.scenario.objective.metric, result.held_out) \
+    metric = ctx.scenario.objective.metric
+    detail = format_metrics(result.value, metric, result.held_out) \
         if result.outcome.value == "COMPLETE" else result.reason
+    original = sweep.store.rows([sweep.store.trial(args.trial)])[0]
     print(f"trial {row.number} (rerun of {args.trial}) {result.outcome.value} in {result.duration_s:.1f} s: "
-          f"{detail}; folder {row.folder}")
+          f"{detail}; {_reproduced(metric, args.trial, original.value, result.value)}folder {row.folder}")
     return EXIT_OK if result.outcome.value == "COMPLETE" else EXIT_ERROR
+
+
+def _reproduced(metric: str, number: int, before: float | None, after: float | None) -> str:
+    """How a rerun's objective compares with trial ``number``'s (``same val_error as trial 4; ``
+    or ``trial 4 had val_error=0.0243, this run +0.0069 (+28%); ``); '' where either has none."""
+    if before is None or after is None:
+        return ""
+    if after == before:
+        return f"the same {metric} as trial {number}; "
+    change = f"{after - before:+.2g}" + (f" ({(after - before) / abs(before):+.0%})" if before else "")
+    return f"trial {number} had {metric}={before:.4g}, this run {change}; "
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -64,6 +64,19 @@ def _dollar(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
     return render
 
 
+def _variables(text: str, syntax: str) -> set[str]:
+    """The names a template of ``syntax`` (``jinja`` or ``dollar``) reads (its syntax checked elsewhere)."""
+    if syntax == "dollar":
+        return {name for escaped, name in _DOLLAR.findall(text) if not escaped}
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return set(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(text)))
+    except jinja2.TemplateSyntaxError:
+        return set()
+
+
 def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
     import jinja2
 
@@ -177,6 +190,7 @@ class Renderer:
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
+        self._read: set[str] = set()
         _check_data_dir(scenario)
         entries = _entries(scenario.template)
         names: set[str] = set()
@@ -191,6 +205,7 @@ class Renderer:
                 except UnicodeDecodeError:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
+                self._read |= _variables(text, scenario.syntax)
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 
@@ -198,6 +213,12 @@ class Renderer:
     def scenario(self) -> Scenario:
         """The scenario whose templates this renders."""
         return self._scenario
+
+    @property
+    def sees_trial_seed(self) -> bool:
+        """Whether a trial's ``trial_seed`` reaches it: a template reads it, or ``seed_flag``
+        passes it to the command."""
+        return "trial_seed" in self._read or self._scenario.seed_flag is not None
 
     @property
     def names(self) -> tuple[str, ...]:

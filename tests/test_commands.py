@@ -146,3 +146,23 @@ def test_validate_and_the_sweep_say_which_steps_the_pruner_plans_for(
     assert validated.returncode == 0 and f"method tpe, {said}, 1 trial," in validated.stdout
     ran = run_cli("run", path)
     assert ran.returncode == 0 and f"; {said}\n" in ran.stdout + ran.stderr
+
+
+def test_a_rerun_says_whether_it_reproduced_and_refuses_a_seed_the_trial_cannot_see(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A rerun checks reproducibility: it says how its objective compares with the original's.
+    --seed on a scenario whose trials never see trial_seed once ran silently as without it."""
+    scenario = write_scenario(tmp_path, search={"trials": 1})
+    assert run_hpo("run", scenario).returncode == 0
+    rerun = run_hpo("rerun", scenario, "0")
+    assert rerun.returncode == 0 and "; the same val_error as trial 0; folder " in rerun.stdout
+    seeded = run_hpo("rerun", scenario, "0", "--seed", "5")
+    assert (seeded.returncode, seeded.stderr) == (
+        2, ("error: --seed: the trial would not see it: no template reads trial_seed and the scenario sets no "
+            "seed_flag (seed_flag: --seed passes it to a script that takes --seed)\n"))
+    drifting = write_scenario(tmp_path / "drifting", search={"trials": 1}, template_text=(
+        "from hpo.results import report\nreport(val_error=0.25 + {{ trial_seed }} / 100)\n"))
+    assert run_hpo("run", drifting).returncode == 0
+    changed = run_hpo("rerun", drifting, "0", "--seed", "26")
+    assert changed.returncode == 0, changed.stderr
+    assert "val_error=0.51; trial 0 had val_error=0.26, this run +0.25 (+96%); folder " in changed.stdout

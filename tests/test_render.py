@@ -63,6 +63,24 @@ def test_templates_render(tmp_path: Path, write_scenario: WriteScenario, syntax:
     assert names == ("train.py", PARAMS_FILE, COMMAND_FILE) and renderer.names == ("train.py",)
 
 
+@pytest.mark.parametrize(
+    ("syntax", "text", "overrides", "sees"),
+    [
+        ("jinja", "seed = {{ trial_seed }}", {}, True),
+        ("jinja", "{% set s = trial_seed %}{{ s }}", {}, True),
+        ("jinja", "seed = {{ seed }}", {}, False),
+        ("dollar", "--seed ${trial_seed}", {}, True),
+        ("dollar", "echo $${trial_seed}", {}, False),
+        ("jinja", "x = {{ x }}", {"seed_flag": "--seed"}, True),
+    ],
+)
+def test_whether_a_trial_sees_its_trial_seed(tmp_path: Path, write_scenario: WriteScenario, syntax: str,
+                                             text: str, overrides: dict[str, Any], sees: bool) -> None:
+    """hpo rerun --seed is refused where the trial would not see it."""
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": text}, syntax=syntax, **overrides)
+    assert renderer.sees_trial_seed is sees
+
+
 def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScenario) -> None:
     (tmp_path / "data").mkdir()
     renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
