@@ -79,12 +79,15 @@ WORKDIR_OWNER = ".hpo-study"
 
 def _workdir_owner(ctx: Context, flag: str) -> str | None:
     """The study whose trial folders the workdir holds (its marker), None where no study
-    marked it; an InputError naming ``flag`` where that is another study (trial folders are
+    marked it (an empty marker, which a full disk left before markers were written whole,
+    marks none); an InputError naming ``flag`` where that is another study (trial folders are
     named by number alone, so two studies would overwrite each other's). Writes nothing."""
     name = ctx.scenario.name
     try:
         owner = (ctx.workdir / WORKDIR_OWNER).read_text().strip()
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not owner:
         return None
     if owner != name:
         raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {owner}; "
@@ -93,10 +96,21 @@ def _workdir_owner(ctx: Context, flag: str) -> str | None:
 
 
 def _claim_workdir(ctx: Context, flag: str) -> None:
-    """Mark the workdir as the folder of this study's trials; an InputError if another study
-    marked it first (:func:`_workdir_owner`)."""
-    if _workdir_owner(ctx, flag) is None:
-        (ctx.workdir / WORKDIR_OWNER).write_text(ctx.scenario.name + "\n")
+    """Mark the workdir as the folder of this study's trials, the marker written whole; an
+    InputError if another study marked it first (:func:`_workdir_owner`). On a full disk the
+    workdir stays unmarked until a later command finds room: what the command writes next
+    (the store, a trial's files) waits for room and says so."""
+    from hpo.files import replacing
+    from hpo.storage import disk_full
+
+    if _workdir_owner(ctx, flag) is not None:
+        return
+    try:
+        with replacing(ctx.workdir / WORKDIR_OWNER) as temporary:
+            temporary.write_text(ctx.scenario.name + "\n")
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
 
 
 def _store(ctx: Context) -> Any:

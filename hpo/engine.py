@@ -19,6 +19,17 @@ as an exception that escapes the loop; only a store that stays down past
 ``resources.store_retry`` stops the worker (:class:`~hpo.storage.StoreUnavailable`). A
 wait for the study's ask lock that the stop ended (its holder was stopped with SIGSTOP, say)
 is part of the stop, not a store failure: :attr:`Sweep.stop_note` says so.
+
+A trial folder whose disk is full (:class:`~hpo.render.FolderFull`) is no fault of the
+trial, and is waited out as the store's full disk is (:class:`hpo.storage.Retrying`): said in
+one line naming the file and the room left, and in one more once a folder is written again.
+A trial whose files cannot be written keeps its claim and is tried again, with backoff; one
+whose log cannot be written is ended at once and recorded INTERRUPTED (it runs again); one
+whose ``result.json`` cannot be written is recorded as it ended (that file is the store's
+backup). Waiting, not stopping at once, lets the trials of other slots run on while the
+user frees space, as they do through a store outage; a disk still full after
+``resources.store_retry`` seconds stops the sweep with one line (its running trials
+INTERRUPTED), and ``hpo run`` resumes it.
 """
 from __future__ import annotations
 
@@ -28,7 +39,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,12 +52,12 @@ from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import Recovered, queued_again, recover_stale
-from hpo.render import LOG_FILE, PARAMS_FILE, Renderer, trial_folder, trial_seed
+from hpo.render import LOG_FILE, PARAMS_FILE, FolderFull, Renderer, folder_writes, full_disk, trial_folder, trial_seed
 from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
 from hpo.scheduler import Claim, Scheduler
-from hpo.storage import ask_lock_holder
+from hpo.storage import MAX_PAUSE_S, ask_lock_holder
 from hpo.store import SYS_STARTED, StudyStore, scenario_text
 from hpo.watchdog import Watchdog
 
@@ -59,6 +70,7 @@ def _quiet_step_warnings() -> None:
     warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
 
 CLAIM_POLL_S = 1.0
+FIRST_PAUSE_S = 0.2  # the first pause before a trial's files are written again on a full disk
 STOPPING_STORE_RETRY_S = 10.0  # once stopping, how long a failing store call still retries
 
 
@@ -137,6 +149,51 @@ def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | 
         check_command(scenario.objective.post_process, renderer.names, field="objective.post_process")
 
 
+class _FullFolders:
+    """Trial folders whose disk is full, as one outage of the sweep (the module docstring):
+    it starts, said in one line, when a write first fails, and ends, said too, when a trial's
+    files are written again. A slot waiting for room gives up once the outage has lasted
+    ``deadline_s`` (``resources.store_retry``)."""
+
+    def __init__(self, workdir: Path, deadline_s: float, say: Callable[[str], None]) -> None:
+        self._workdir = workdir
+        self._deadline_s = deadline_s
+        self._say = say
+        self._lock = threading.Lock()
+        self._since: float | None = None
+
+    def failed(self, full: FolderFull) -> float:
+        """A write failed with ``full``: the outage starts (said) unless it is under way;
+        ``time.monotonic()`` of its start."""
+        with self._lock:
+            since = self._since
+            if since is None:
+                self._since = now = time.monotonic()
+        if since is not None:
+            return since
+        self._say(f"{full}; free space there and the sweep goes on: trials wait for room for up to "
+                  f"{self._deadline_s:g} s")
+        return now
+
+    def written(self) -> None:
+        """A trial's files were written: the outage, if any, ends (said)."""
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            self._say(f"the trial folders in {self._workdir} can be written again after "
+                      f"{time.monotonic() - since:.0f} s")
+
+    def wait(self, full: FolderFull, pause_s: float, stopping: threading.Event) -> None:
+        """Wait ``pause_s`` (less if ``stopping`` is set) before the write that raised ``full``
+        is tried again; :class:`ExecutorUnavailable` once the outage has lasted ``deadline_s``."""
+        since = self.failed(full)
+        left = since + self._deadline_s - time.monotonic()
+        if left <= 0:
+            raise ExecutorUnavailable(f"the trial folders could not be written for {time.monotonic() - since:.0f} s "
+                                      f"(resources.store_retry): {full}")
+        stopping.wait(min(pause_s, left))
+
+
 class _Running:
     """A trial this worker claimed: started or not, and why it should end early, if it should."""
 
@@ -170,6 +227,7 @@ class Sweep:
         self._fatal: BaseException | None = None
         self._lock_wait_ended = False
         self._gone: list[Recovered] = []  # found before the observer came
+        self._full = _FullFolders(config.workdir, scenario.resources.store_retry, self._say)
         self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial,
                                  self._found_gone)
 
@@ -376,30 +434,64 @@ class Sweep:
                          scenario.resources.timeout, scenario.objective)
 
     def _execute(self, slot: Slot, claim: Claim) -> TrialResult:
-        """Build and run one trial; any error of hpo's own becomes a FAIL with its reason."""
+        """Build and run one trial; any error of hpo's own becomes a FAIL with its reason, and
+        a full disk under its folder is waited out (the module docstring)."""
         start = time.monotonic()
         try:
             spec = self.spec(slot, claim)
         except InputError as exc:  # its templates do not render for these values: the folder says why
-            claim.folder.mkdir(parents=True, exist_ok=True)
-            (claim.folder / LOG_FILE).write_text(f"hpo: {exc}\n")
-            return save_result(claim.folder, claim.number,
-                               TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc)))
+            result = TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc))
+            try:
+                with folder_writes(claim.folder / LOG_FILE):
+                    claim.folder.mkdir(parents=True, exist_ok=True)
+                    (claim.folder / LOG_FILE).write_text(f"hpo: {exc}\n")
+                return save_result(claim.folder, claim.number, result)
+            except FolderFull as full:  # the store records why all the same
+                self._full.failed(full)
+                return result
         control = _Control(self, claim, slot)
+        pause = FIRST_PAUSE_S
+        while True:
+            try:
+                result = self._executor.run(spec, control)
+            except StoreUnavailable:
+                raise
+            except ExecutorUnavailable as exc:
+                self._on_fatal(exc)
+                return exc.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
+                                                 reason=f"interrupted: {exc}")
+            except Exception as exc:
+                full = _folder_full(exc, claim.folder)
+                if full is None:
+                    return self._hpo_error(claim, exc, start)
+                if self._waited_for_room(claim, full, pause):
+                    pause = min(2 * pause, MAX_PAUSE_S)
+                    continue
+                return full.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
+                                                  reason=f"interrupted: {full}; it runs again")
+            self._full.written()
+            return result
+
+    def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
+        """Whether ``claim`` is to be run again after ``full``: its files could not be written
+        (it never started) and its slot waited ``pause_s`` for room. False where it started or
+        ended (the outage is noted), or once the sweep stops, the wait's deadline included."""
+        if full.result is not None or not self._never_started(claim, None):
+            self._full.failed(full)
+            return False
         try:
-            return self._executor.run(spec, control)
-        except StoreUnavailable:
-            raise
+            self._full.wait(full, pause_s, self._stopping)
         except ExecutorUnavailable as exc:
             self._on_fatal(exc)
-            return exc.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
-                                             reason=f"interrupted: {exc}")
-        except Exception as exc:
-            claim.folder.mkdir(parents=True, exist_ok=True)
-            with (claim.folder / LOG_FILE).open("a") as log:
-                log.write(traceback.format_exc())
-            return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start,
-                               reason=f"hpo error: {type(exc).__name__}: {exc}")
+        return not self._stopping.is_set()
+
+    def _hpo_error(self, claim: Claim, exc: Exception, start: float) -> TrialResult:
+        """A FAIL for ``exc``, an error of hpo's own; its traceback goes to the trial's log."""
+        claim.folder.mkdir(parents=True, exist_ok=True)
+        with (claim.folder / LOG_FILE).open("a") as log:
+            log.write(traceback.format_exc())
+        return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start,
+                           reason=f"hpo error: {type(exc).__name__}: {exc}")
 
     def rerun(self, number: int, seed: int | None = None) -> tuple[TrialRow, TrialResult]:
         """Run trial ``number``'s configuration again as a new trial on the first slot
@@ -424,12 +516,14 @@ class Sweep:
             raise self._fatal
         return store.rows([store.trial(claim.number)])[0], result
 
-    def _never_started(self, claim: Claim, result: TrialResult) -> bool:
-        """Whether ``claim`` was INTERRUPTED before its executor started it (a Dask task still
-        queued when the sweep stopped or its scheduler went away): it goes back to WAITING."""
+    def _never_started(self, claim: Claim, result: TrialResult | None) -> bool:
+        """Whether ``claim`` never started: its executor did not start it, and ``result``, if
+        any, is INTERRUPTED (a Dask task still queued when the sweep stopped or its scheduler
+        went away, files that a full disk refused): it goes back to WAITING."""
         with self._lock:
             running = self._running.get(claim.number)
-        return result.outcome is Outcome.INTERRUPTED and running is not None and not running.started
+        return (result is None or result.outcome is Outcome.INTERRUPTED) and running is not None \
+            and not running.started
 
     def _still_held(self, claim: Claim) -> bool:
         """Whether ``claim``, made while the slot's last trial ran, is still this worker's; if
@@ -496,6 +590,17 @@ class Sweep:
         fault_point("settled", claim.number)
 
 
+def _folder_full(exc: Exception, folder: Path) -> FolderFull | None:
+    """``exc`` as a :class:`FolderFull` where it says that the disk of the trial's ``folder``
+    is full (a write the executor made outside :mod:`hpo.render`'s helpers names its file, or
+    else the folder), else None."""
+    if isinstance(exc, FolderFull):
+        return exc
+    filename = getattr(exc, "filename", None)
+    line = full_disk(Path(filename) if filename else folder, exc)
+    return None if line is None else FolderFull(line)
+
+
 class _Control(TrialControl):
     """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`).
 
@@ -529,6 +634,7 @@ class _Control(TrialControl):
         running = self._running()
         if running is not None:
             running.started = True
+        self._sweep._full.written()  # its files were
         self._unannounced = TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
                                        claim.folder, claim.repeat_of)
         fault_point("started", claim.number)

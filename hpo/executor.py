@@ -13,6 +13,11 @@ metric parser, runs ``objective.post_process`` if set (in what is left of the tr
 timeout), judges the outcome and writes it to ``result.json`` in the folder: the backup of
 record when the store cannot be reached.
 
+A folder whose disk is full is no fault of the trial: :func:`run_trial` raises
+:class:`hpo.render.FolderFull`, before the trial starts (its files) or with how it ended (its
+log: INTERRUPTED, its process ended at once; ``result.json``: its result, which the sweep
+records all the same).
+
 A trial's ``duration_s`` is how long its processes are known to have run. When the worker
 was paused (SIGSTOP, a stalled machine) and its trial's process ended meanwhile, the end is
 not known: the duration runs to the moment the process was last seen running, and
@@ -21,6 +26,7 @@ not known: the duration runs to the moment the process was last seen running, an
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import re
@@ -28,14 +34,14 @@ import signal
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from hpo.files import replacing
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import LOG_FILE, RESULT_FILE, TrialFile, write_files
+from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, TrialFile, folder_writes, write_files
 from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, StepError, last_error_line, out_of_gpu_memory
 from hpo.scenario import Objective
 
@@ -134,7 +140,8 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     enters a rung with the value of the rung's own step); once it said prune, none is reported;
     those left over after the process ended are recorded unjudged; a trial being stopped or
     interrupted reports none. A trial whose end is asked before it starts (``hpo stop`` of a
-    trial claimed ahead) is not started: it is judged so ended, after 0 s.
+    trial claimed ahead) is not started: it is judged so ended, after 0 s. A full disk raises
+    :class:`~hpo.render.FolderFull` (see the module docstring).
     """
     write_files(folder, spec.files)
     objective = spec.objective
@@ -175,14 +182,22 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     watch = _Watch()
     process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
     exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
+    disk_full = process.disk_full
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
         watch = _Watch(watch.paused_s)
         post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
                            on_lines, watch(control.end_request))
         exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
+        disk_full = post.disk_full
         if exit_code != 0 and ended_by is None:
             ended_by = _with_line(f"post_process exit code {exit_code}", tail, or_last_line=True)
+    if disk_full and ended_by not in EARLY_ENDS:  # ended for its log, whose disk is full: no fault of its own
+        result = judge(parser.metrics(), objective, exit_code, "interrupted", list(tail), duration, spec.timeout)
+        result = replace(result, reason=f"interrupted: {ended_by}; it runs again")
+        with contextlib.suppress(FolderFull):  # the sweep records it: result.json is a backup
+            save_result(folder, spec.number, result, watch.paused_s)
+        raise FolderFull(ended_by, result)
     result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at)
     return save_result(folder, spec.number, result, watch.paused_s)
 
@@ -283,11 +298,12 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
 
 def save_result(folder: Path, number: int, result: TrialResult, paused_s: float = 0.0) -> TrialResult:
     """Write ``result`` to the folder's ``result.json`` (atomically) and return it; a
-    ``paused_s`` is noted (see the module docstring)."""
+    ``paused_s`` is noted (see the module docstring). Where the disk is full, nothing is
+    written and :class:`~hpo.render.FolderFull` carries ``result``."""
     record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
     if paused_s:
         record["paused_s"] = round(paused_s, 3)
-    with replacing(folder / RESULT_FILE) as temporary:
+    with folder_writes(folder / RESULT_FILE, result), replacing(folder / RESULT_FILE) as temporary:
         temporary.write_text(json.dumps(record, indent=2) + "\n")
     return result
 

@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from hpo.errors import ExecutorUnavailable, InputError
+from hpo.render import full_disk
 from hpo.scenario import Resources, Scenario
 
 TOKEN_ENV = "HPO_TRIAL_TOKEN"
@@ -269,12 +270,15 @@ def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
 
 @dataclass(frozen=True)
 class ProcessResult:
-    """How a trial's process ended: exit code, what ended it early (if anything), seconds."""
+    """How a trial's process ended: exit code, what ended it early (if anything), seconds;
+    ``disk_full``: the log's disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line),
+    which is no fault of the process."""
 
     exit_code: int
     ended_by: str | None
     duration_s: float
     pid: int
+    disk_full: bool = False
 
 
 def die_with_parent() -> None:
@@ -380,10 +384,11 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
     ``should_end`` is first asked as soon as the process runs (never for one that could not
     start), then every ``POLL_S`` while it runs: a non-None answer (e.g. ``"stopped"``) ends
     the process tree and becomes ``ended_by``, as does ``"timeout"`` after ``timeout``
-    seconds, and ``cannot write trial.log: ...`` once the log cannot be written (a full disk,
-    a file-size limit: the output read until then is still handled). Once the process has
-    ended, its tree and every process that carries ``env``'s trial token are killed before
-    this returns, so no trial process outlives it. ``duration_s`` is how long the process ran.
+    seconds, and ``cannot write trial.log: ...`` once the log cannot be written (a file-size
+    limit; a full disk, which ``disk_full`` tells: the output read until then is still
+    handled). Once the process has ended, its tree and every process that carries ``env``'s
+    trial token are killed before this returns, so no trial process outlives it.
+    ``duration_s`` is how long the process ran.
 
     A start refused for one of :data:`MACHINE_LIMITS` raises :class:`ExecutorUnavailable`;
     one refused otherwise (no such program) returns exit code 127 and ``cannot start ...``.
@@ -403,7 +408,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
             log.write(f"hpo: cannot start {argv[0]}: {exc.strerror}\n".encode())
             _raise_if_machine_limit(exc, "cannot start a trial's process")
             return ProcessResult(127, f"cannot start {argv[0]}: {exc.strerror}", 0.0, -1)
-        output = _Output(log, log_path.name)
+        output = _Output(log, log_path)
         ended = threading.Event()
         reader = threading.Thread(target=_pump, args=(proc, output), daemon=True)
         handler = threading.Thread(target=_deliver, args=(output, on_lines, ended), daemon=True)
@@ -433,7 +438,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                 _join_reader(reader, output)
                 output.close()
                 handler.join()
-    return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid)
+    return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid, output.disk_full)
 
 
 def _raise_if_machine_limit(exc: OSError, what: str) -> None:
@@ -468,15 +473,16 @@ class _Output:
     :func:`_deliver`, until :meth:`close` (a None in the queue marks the end). The queue holds
     at most :data:`QUEUED_LINES`: a process that prints faster than its lines are handled
     waits on its pipe, as it would without hpo. A log that cannot be written (a full disk, a
-    file-size limit) is written no more, the lines still queued, and :attr:`failure` says why
-    (:func:`run_process` ends the process then: the trial fails)."""
+    file-size limit) is written no more, the lines still queued, and :attr:`failure` says why,
+    :attr:`disk_full` whether its disk is full (:func:`run_process` ends the process then)."""
 
-    def __init__(self, log: Any, name: str) -> None:
+    def __init__(self, log: Any, path: Path) -> None:
         self.log = log
         self.failure: str | None = None
+        self.disk_full = False
         self.lines: queue.Queue[str | None] = queue.Queue(QUEUED_LINES)
         self.reading = False
-        self._name = name
+        self._path = path
         self._lock = threading.Lock()
         self._open = True
 
@@ -505,7 +511,9 @@ class _Output:
             try:
                 self.log.write(data)
             except OSError as exc:
-                self.failure = f"cannot write {self._name}: {exc.strerror or exc} (the output past it is lost)"
+                full = full_disk(self._path, exc)
+                self.disk_full = full is not None
+                self.failure = full or f"cannot write {self._path.name}: {exc.strerror or exc} (the output past it is lost)"
 
     def close(self) -> None:
         """Take no more lines."""

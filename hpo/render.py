@@ -8,21 +8,27 @@ syntax is Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``
 see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
 ``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
 ``data_dir``.
+
+A trial folder whose disk is full (ENOSPC, a quota) is no fault of the trial: its writes
+raise :class:`FolderFull`, which names the file and the room left on its disk.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from hpo.errors import InputError
+from hpo.outcome import TrialResult
 from hpo.scenario import Scenario
+from hpo.storage import disk_full, free_space
 
 RENDERED_SUFFIXES = (".j2", ".jinja", ".jinja2", ".tmpl")
 PARAMS_FILE = "params.json"
@@ -31,6 +37,39 @@ LOG_FILE = "trial.log"
 RESULT_FILE = "result.json"
 RESERVED_FILES = (PARAMS_FILE, COMMAND_FILE, LOG_FILE, RESULT_FILE)
 _DOLLAR = re.compile(r"\$(\$)?\{\s*([A-Za-z_]\w*)\s*\}")
+
+
+class FolderFull(Exception):
+    """A file of a trial folder could not be written because its disk is full: the message
+    is :func:`full_disk`'s line. ``result`` is how the trial ended where it had ended (its
+    ``result.json`` could not be written, or its log: then INTERRUPTED), else None (it never
+    started). The sweep records ``result`` all the same and waits for room (:class:`hpo.engine.Sweep`)."""
+
+    def __init__(self, message: str, result: TrialResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def full_disk(path: Path, exc: BaseException) -> str | None:
+    """``cannot write PATH: No space left on device (0 bytes free on /mnt)`` where ``exc``
+    says that the disk of ``path`` is full (:func:`hpo.storage.disk_full`), else None."""
+    if not disk_full(exc):
+        return None
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"cannot write {path}: {why} ({free_space(path)})"
+
+
+@contextlib.contextmanager
+def folder_writes(path: Path, result: TrialResult | None = None) -> Iterator[None]:
+    """Run the block, which writes ``path``; an error that says its disk is full is raised
+    as :class:`FolderFull` with ``result``, any other as it is."""
+    try:
+        yield
+    except OSError as exc:
+        line = full_disk(path, exc)
+        if line is None:
+            raise
+        raise FolderFull(line, result) from None
 
 
 def trial_folder(workdir: Path, number: int) -> Path:
@@ -170,13 +209,16 @@ def trial_seed(seed: int, number: int) -> int:
 
 
 def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
-    """Write ``files`` into ``folder`` (created if need be)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write ``files`` into ``folder`` (created if need be); :class:`FolderFull` where its
+    disk is full."""
+    with folder_writes(folder):
+        folder.mkdir(parents=True, exist_ok=True)
     for file in files:
         target = folder / file.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(file.data)
-        target.chmod(file.mode)
+        with folder_writes(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(file.data)
+            target.chmod(file.mode)
 
 
 class Renderer:

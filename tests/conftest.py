@@ -1,11 +1,13 @@
-"""Fixture factories shared by the test suite: a scenario writer and a CLI runner."""
+"""Fixture factories shared by the test suite: a scenario writer, a CLI runner and a small
+disk that a test fills."""
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCENARIO_FILE = "scenario.yaml"
 TEMPLATE_FILE = "train.py.j2"
 CLI_TIMEOUT_S = 120
+DISK_BYTES = 1 << 20
 
 TEMPLATE_TEXT = """\
 from hpo.results import report
@@ -118,6 +121,45 @@ def run_cli() -> RunCli:
 def scenario_path(tmp_path: Path) -> Path:
     """The base scenario, written into a fresh folder."""
     return write_scenario_file(tmp_path)
+
+
+class Disk:
+    """A mounted tmpfs of :data:`DISK_BYTES` that a test fills and frees."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+        self._filler = mount / "filler"
+
+    def fill(self) -> None:
+        """Take every byte left, as a runaway checkpoint or log would."""
+        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        """Give the space back, as a user who deleted something would."""
+        self._filler.unlink()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Disk]:
+    """A real disk to fill (so the errors are the real ones); skips where no tmpfs can be
+    mounted (it needs root)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here (it needs root): {mounted.stderr.strip()}")
+    try:
+        yield Disk(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def run_torch_job(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],

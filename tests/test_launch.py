@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -334,9 +335,9 @@ def test_runs_in_cwd_with_env(tmp_path: Path) -> None:
 
 
 def test_a_log_that_cannot_be_written_ends_the_process_at_once(tmp_path: Path) -> None:
-    """/dev/full refuses every write (ENOSPC), as a full disk or a file-size limit does: the
-    process is ended as a timeout ends it, not left to train unlogged to its end (here 30 s),
-    and the lines read until then are handled."""
+    """/dev/full refuses every write (ENOSPC), as a full disk does: the process is ended as a
+    timeout ends it, not left to train unlogged to its end (here 30 s), the lines read until
+    then are handled, and the result says the disk is full (no fault of the process)."""
     script = tmp_path / "child.py"
     script.write_text("import time\nprint('val_error=0.5', flush=True)\ntime.sleep(30)\n")
     lines: list[str] = []
@@ -344,8 +345,9 @@ def test_a_log_that_cannot_be_written_ends_the_process_at_once(tmp_path: Path) -
     result = run_process([sys.executable, str(script)], tmp_path, dict(os.environ), Path("/dev/full"), 60,
                          lambda batch, running: lines.extend(batch), lambda: None)
     assert time.monotonic() - began < 10
-    assert result.ended_by == "cannot write full: No space left on device (the output past it is lost)"
-    assert result.exit_code == -signal.SIGTERM and _gone(result.pid)
+    assert re.fullmatch(r"cannot write /dev/full: No space left on device \([0-9.]+ \w+ free on /dev\)",
+                        result.ended_by or ""), result.ended_by
+    assert result.disk_full and result.exit_code == -signal.SIGTERM and _gone(result.pid)
     assert lines == ["val_error=0.5\n"]
 
 

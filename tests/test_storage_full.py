@@ -4,63 +4,23 @@ refused write leaves readable. The disk is a real one, a tiny tmpfs, so the erro
 real ones (SQLite's ``database or disk is full``, ENOSPC); mounting it needs root."""
 from __future__ import annotations
 
-import errno
-import os
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
 import pytest
-from conftest import cli_env
+from conftest import Disk, cli_env
 
 from hpo.scenario import load_scenario
 from hpo.storage import ask_lock, open_storage
 from hpo.store import StudyStore
 
 WriteScenario = Callable[..., Path]
-DISK_BYTES = 1 << 20
-
-
-class Disk:
-    """A mounted tmpfs of :data:`DISK_BYTES` that a test fills and frees."""
-
-    def __init__(self, mount: Path) -> None:
-        self.mount = mount
-        self._filler = mount / "filler"
-
-    def fill(self) -> None:
-        """Take every byte left, as a runaway checkpoint or log would."""
-        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-
-    def free(self) -> None:
-        """Give the space back, as a user who deleted something would."""
-        self._filler.unlink()
-
-
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Disk]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)],
-                             capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs can be mounted here (it needs root): {mounted.stderr.strip()}")
-    try:
-        yield Disk(mount)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
@@ -122,7 +82,8 @@ def test_hpo_run_on_a_full_disk_waits_for_space_then_runs_the_sweep(
     assert first == (f"hpo: the store {url} cannot be written: database or disk is full (0 bytes free on "
                      f"{disk.mount}); free space there and the sweep goes on: retrying for up to 60 s\n")
     disk.free()
-    out = first + run.communicate(timeout=60)[0]
+    out = first + run.stdout.read()  # through readline's buffer, which communicate() would skip
+    run.wait(timeout=60)
     assert run.returncode == 0, out
     assert re.search(rf"^hpo: the store {re.escape(url)} can be written again after \d+ s$", out, re.MULTILINE), out
     assert out.count("the store") == 2 and "2/2 trials done: 2 complete" in out, out

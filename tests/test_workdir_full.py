@@ -1,0 +1,176 @@
+"""Trial folders on a full disk: no traceback, one line naming the file and the room left, a
+wait for space that ends when a trial's files are written again, and nothing lost or counted
+against the budget. The disk is a real one, a tiny tmpfs (:class:`conftest.Disk`), so the
+errors are the real ones; mounting it needs root."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import Disk, cli_env, run_hpo
+
+WriteScenario = Callable[..., Path]
+
+FILL = """\
+import os
+x = {{{{ x }}}}
+{before}
+if {{{{ trial_number }}}} == 0:  # the first trial fills the disk, as a runaway checkpoint would
+    fd = os.open("{mount}/filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\\0" * 4096)
+    except OSError:
+        pass
+{after}
+"""
+REPORT = 'print(f"val_error={x / 2}")'
+# the report, then a wait until hpo has logged it: the disk filled after it cannot refuse its line
+REPORT_LOGGED = REPORT[:-1] + """, flush=True)
+import time
+while "val_error" not in open("trial.log").read():
+    time.sleep(0.01)"""
+PLAIN = "x = {{ x }}\n" + REPORT + "\n"
+
+
+def _scenario(folder: Path, write_scenario: WriteScenario, trials: int, template: str, store_retry: float = 60) -> Path:
+    return write_scenario(folder, template_text=template, drop=["parameters.opt"],
+                          search={"trials": trials}, objective={"held_out": []},
+                          resources={"store_retry": store_retry})
+
+
+def _start(*args: str | Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "hpo", "run", *map(str, args)], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _free_when_said(run: subprocess.Popen[str], disk: Disk, said: str) -> tuple[str, str]:
+    """Read ``run``'s output until a line starts with ``said``, free the disk, and return
+    all that it printed (stdout, stderr) once it ended."""
+    assert run.stdout is not None
+    lines = []
+    while not (lines and lines[-1].startswith(said)):
+        line = run.stdout.readline()
+        assert line, "".join(lines) + run.communicate(timeout=30)[1]
+        lines.append(line)
+    disk.free()
+    out = run.stdout.read()  # through the buffer that readline filled: communicate() would skip what it holds
+    assert run.stderr is not None
+    err = run.stderr.read()
+    run.wait(timeout=60)
+    return "".join(lines) + out, err
+
+
+def _rows(scenario: Path, *args: str | Path) -> list[tuple[str, ...]]:
+    exported = run_hpo("export", scenario, *args)
+    assert exported.returncode == 0, exported.stderr
+    return [(row["number"], row["state"], row["reason"]) for row in csv.DictReader(io.StringIO(exported.stdout))]
+
+
+def test_files_that_a_full_disk_refuses_wait_for_room_and_the_trial_then_runs(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Before a trial starts, its files cannot be written: it keeps its claim (WAITING), and
+    runs once there is room. A workdir that a full disk left unmarked is marked later."""
+    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    disk.fill()
+    run = _start(scenario, "--workdir", workdir, "--storage", store)
+    out, err = _free_when_said(run, disk, "hpo: cannot write")
+    assert (run.returncode, err) == (0, ""), out + err
+    said = (f"hpo: cannot write {workdir}/trial-0000/train.py: No space left on device (0 bytes free on "
+            f"{disk.mount}); free space there and the sweep goes on: trials wait for room for up to 60 s\n")
+    assert said in out and out.count("cannot write") == 1, out
+    assert re.search(rf"^hpo: the trial folders in {workdir} can be written again after \d+ s$", out, re.MULTILINE)
+    assert "1/1 trials done: 1 complete." in out, out
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "COMPLETE", "")]
+    again = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
+    assert again.returncode == 0, again.stderr
+    assert (workdir / ".hpo-study").read_text() == "demo\n"
+
+
+def test_a_trial_whose_log_a_full_disk_refuses_is_interrupted_and_runs_again(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """The default layout, study and trial folders on one disk: the trial ended at once is
+    recorded INTERRUPTED, not FAIL (the disk is no fault of its own), and its configuration
+    runs again once there is room; the budget counts the run that completed."""
+    scenario = _scenario(tmp_path, write_scenario, 1, FILL.format(mount=disk.mount, before="", after=REPORT))
+    workdir = disk.mount / "w"
+    run = _start(scenario, "--workdir", workdir)
+    out, err = _free_when_said(run, disk, "hpo: cannot write")
+    assert (run.returncode, err) == (0, ""), out + err
+    line = f"cannot write {workdir}/trial-0000/trial.log: No space left on device (0 bytes free on {disk.mount})"
+    assert f"hpo: {line}; free space there and the sweep goes on: trials wait for room for up to 60 s\n" in out
+    assert "1/1 trials done: 1 complete; also 1 interrupted" in out, out
+    assert _rows(scenario, "--workdir", workdir) == [("0", "INTERRUPTED", f"interrupted: {line}; it runs again"),
+                                                     ("1", "COMPLETE", "")]
+
+
+def test_a_result_that_a_full_disk_keeps_out_of_result_json_is_recorded_all_the_same(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """The trial ended on its own: its result, in memory, is recorded in the store (the file
+    is only its backup), and is not run again; the next trial waits for room."""
+    template = FILL.format(mount=disk.mount, before=REPORT_LOGGED, after="")
+    scenario = _scenario(tmp_path, write_scenario, 2, template)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    run = _start(scenario, "--workdir", workdir, "--storage", store)
+    out, err = _free_when_said(run, disk, "hpo: cannot write")
+    assert (run.returncode, err) == (0, ""), out + err
+    assert f"hpo: cannot write {workdir}/trial-0000/result.json: No space left on device" in out, out
+    assert re.search(r"^trial 0 COMPLETE in [0-9.]+ s: val_error=", out, re.MULTILINE), out
+    assert "2/2 trials done: 2 complete." in out, out
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "COMPLETE", ""), ("1", "COMPLETE", "")]
+    assert not (workdir / "trial-0000" / "result.json").exists()
+
+
+def test_a_disk_that_stays_full_stops_the_sweep_with_one_line_and_it_resumes(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = _scenario(tmp_path, write_scenario, 2, PLAIN, store_retry=1)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    disk.fill()
+    began = time.monotonic()
+    done = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
+    assert time.monotonic() - began < 20
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.fullmatch(rf"error: the trial folders could not be written for \d+ s \(resources.store_retry\): cannot "
+                        rf"write {workdir}/trial-0000/train.py: No space left on device \(0 bytes free on {disk.mount}\)"
+                        r"; run the same command to resume \(trials that were running were recorded INTERRUPTED and "
+                        r"run again\)\n", done.stderr)
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "WAITING", ""), ("1", "WAITING", "")]
+    disk.free()
+    resumed = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "COMPLETE", ""), ("1", "COMPLETE", "")]
+
+
+def test_an_empty_workdir_marker_left_by_a_full_disk_marks_no_study(tmp_path: Path,
+                                                                      write_scenario: WriteScenario) -> None:
+    """Markers were once written in place: a full disk left an empty one, and the workdir was
+    refused for good ('holds the trial folders of study ;')."""
+    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    (workdir / ".hpo-study").write_text("")
+    done = run_hpo("run", scenario, "--workdir", workdir)
+    assert done.returncode == 0, done.stderr
+    assert (workdir / ".hpo-study").read_text() == "demo\n"
+
+
+
+def test_a_trial_whose_templates_fail_is_recorded_failed_though_its_folder_cannot_say_why(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Trial 1's templates do not render for its values (its own fault: FAIL); the disk, full
+    since trial 0, keeps the why out of its folder, and the store records it all the same."""
+    template = FILL.format(mount=disk.mount, before=REPORT, after="{% if trial_number == 1 %}{{ missing }}{% endif %}")
+    scenario = _scenario(tmp_path, write_scenario, 2, template)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    done = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
+    assert (done.returncode, done.stderr) == (0, ""), done.stdout + done.stderr
+    assert done.stdout.count("hpo: cannot write") == 1, done.stdout
+    rows = _rows(scenario, "--workdir", workdir, "--storage", store)
+    assert rows[0] == ("0", "COMPLETE", "") and rows[1][:2] == ("1", "FAIL") and "'missing' is undefined" in rows[1][2]
