@@ -75,7 +75,8 @@ def test_a_sweep_that_waits_for_a_stopped_lock_holder_names_it_and_goes_on_once_
         assert lines[-1] == f"hpo: this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the study's ask lock, held " \
                             f"by {said}; waiting for it\n"
         os.kill(pid, signal.SIGCONT)
-        out, err = run.communicate(timeout=60)
+        out, err = run.stdout.read(), run.stderr.read()  # through readline's buffer, which communicate() skips
+        run.wait(timeout=60)
     finally:
         if run.poll() is None:
             run.kill()
