@@ -95,6 +95,9 @@ _REFUSED = re.compile(r"Connection refused", re.IGNORECASE)
 _NO_TABLES = re.compile(r'relation "\w+" does not exist|no such table|Table \S+ doesn\'t exist', re.IGNORECASE)
 _DISK_FULL = re.compile(r"database or disk is full|No space left on device|Disk quota exceeded", re.IGNORECASE)
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# SQLite's own: a full database file, and the shared-memory file of WAL mode that a full disk
+# keeps from being made (it says only "disk I/O error")
+_DISK_FULL_SQLITE = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
 _ERRNO = re.compile(r"^\[Errno \d+\] ")
 _SERVER_RESTARTING = re.compile(r"terminating connection due to administrator command|"
                                 r"server closed the connection unexpectedly|"
@@ -218,6 +221,8 @@ def _reach_file(path: Path, *, sqlite: bool, create: bool) -> None:
             path.open("a" if create else "rb").close()
             _check_journal(path)
     except (OSError, sqlite3.Error) as exc:
+        if disk_full(exc):
+            return  # not bad input: the store's calls wait for room, saying so
         raise InputError(f"--storage: cannot open {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
@@ -500,7 +505,8 @@ def disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc`` or an error under it says the store's disk is full (SQLite's
     ``database or disk is full``, ENOSPC, a quota), as reads go on answering."""
     while exc is not None:
-        if (isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS) or _DISK_FULL.search(str(exc)):
+        if (isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS) or _DISK_FULL.search(str(exc)) or \
+                getattr(exc, "sqlite_errorname", None) in _DISK_FULL_SQLITE:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -657,7 +663,7 @@ class Retrying:
                 self._down_since, self._down_full = time.monotonic(), full
                 self._on_outage(
                     f"the store {self._url} cannot be written: {first_line[:160]} ({free_space(self._path)}); "
-                    f"free space there and the sweep goes on: retrying for up to {self._deadline_s:g} s" if full else
+                    f"free space there: retrying for up to {self._deadline_s:g} s" if full else
                     f"the store {self._url} is not answering ({first_line[:160]}); "
                     f"retrying for up to {self._deadline_s:g} s")
             left = self._deadline_s - elapsed

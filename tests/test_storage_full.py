@@ -45,7 +45,7 @@ def test_a_full_disk_is_said_once_and_waited_out_until_a_write_goes_through(
         time.sleep(0.1)
     assert writer.is_alive() and len(said) == 1
     assert said[0] == (f"the store {url} cannot be written: database or disk is full (0 bytes free on "
-                       f"{disk.mount}); free space there and the sweep goes on: retrying for up to 60 s")
+                       f"{disk.mount}); free space there: retrying for up to 60 s")
     disk.free()
     writer.join(30)
     assert not writer.is_alive()
@@ -80,7 +80,7 @@ def test_hpo_run_on_a_full_disk_waits_for_space_then_runs_the_sweep(
     assert run.stdout is not None
     first = run.stdout.readline()
     assert first == (f"hpo: the store {url} cannot be written: database or disk is full (0 bytes free on "
-                     f"{disk.mount}); free space there and the sweep goes on: retrying for up to 60 s\n")
+                     f"{disk.mount}); free space there: retrying for up to 60 s\n")
     disk.free()
     out = first + run.stdout.read()  # through readline's buffer, which communicate() would skip
     run.wait(timeout=60)
@@ -101,3 +101,26 @@ def test_hpo_run_stops_with_one_line_when_no_space_comes(disk: Disk, tmp_path: P
     assert re.fullmatch(rf"error: the store {re.escape(url)} could not be written for \d+ s \(resources.store_retry\): "
                         rf"database or disk is full \(0 bytes free on {re.escape(str(disk.mount))}\); results of "
                         r"finished trials are kept in their folders and recorded on resume\n", done.stderr)
+
+
+def test_a_study_resumed_on_a_full_disk_waits_for_space_instead_of_calling_its_store_bad_input(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """SQLite cannot make the shared-memory file of WAL mode on a full disk and says only
+    'disk I/O error' (SQLITE_IOERR_SHMSIZE): the first contact took that for a bad --storage,
+    exit 2; now the store's calls wait for room, as for any full disk."""
+    path = write_scenario(tmp_path, search={"trials": 1}, resources={"store_retry": 60})
+    url = f"sqlite:///{disk.mount}/study.db"
+    first = subprocess.run([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert first.returncode == 0, first.stderr
+    disk.fill()
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert run.stdout is not None
+    said = run.stdout.readline()
+    assert said == (f"hpo: the store {url} cannot be written: disk I/O error (0 bytes free on {disk.mount}); "
+                    "free space there: retrying for up to 60 s\n"), said + run.stdout.read()
+    disk.free()
+    out = said + run.stdout.read()
+    assert run.wait(timeout=60) == 0, out
+    assert "1/1 trials done: 1 complete." in out, out
