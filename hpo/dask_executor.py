@@ -20,9 +20,12 @@ store nor a shared filesystem:
 
 No trial runs unseen: a task asked to end before it started never starts its trial (the
 sweep cancels it; once the sweep stops, an Event tells every worker to start none of its
-trials), and a worker ends its trial when it closes or loses the scheduler, as the trial's
-end could no longer be reported. When the scheduler goes away the sweep stops
-(:class:`SchedulerGone`) with how each of its trials ended as far as it can tell.
+trials), and a worker ends its trial when it closes or loses the scheduler, or when its task
+is cancelled (the ``hpo`` process that ran the sweep is gone), as the trial's end could no
+longer be reported: such a trial is LOST, as one whose worker died, and its ``result.json``
+says why. When the scheduler goes away the sweep stops (:class:`SchedulerGone`) with how each
+of its trials ended as far as it can tell. The sweep says when it waits on the cluster: trials
+that no connected worker can run, a scheduler that does not answer.
 
 Trial folders: when the worker sees the trial's folder (a shared filesystem), the trial
 runs there, as on this machine; otherwise it runs in the worker's scratch space while its
@@ -71,6 +74,7 @@ LOST_GRACE_S = 5.0
 LOG_DRAIN_S = 5.0
 INTERRUPT_GRACE_S = KILL_GRACE_S + 10.0
 SCHEDULER_LOST_S = 30.0
+NO_WORKER_S = 5.0
 MARKER = ".hpo-token"
 RUNNING_STATES = frozenset({"executing", "long-running"})
 _DONE = object()
@@ -143,6 +147,8 @@ class TaskReport:
         chunks: log chunks sent as events.
         rest: the end of the log that no event carried.
         started: whether the trial's process started (False: it was asked to end before).
+        again: whether this is a second start, after the worker of the first died: the
+            result is LOST and nothing ran.
     """
 
     result: TrialResult
@@ -152,6 +158,7 @@ class TaskReport:
     chunks: int = 0
     rest: str = ""
     started: bool = True
+    again: bool = False
 
 
 def _names(token: str) -> tuple[str, str, str]:
@@ -268,6 +275,7 @@ class _Courier:
         self._offset = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chunks = 0
+        self.cause: str | None = None
         self._request: str | None = None
         self._heard = time.monotonic()
         self._done = threading.Event()
@@ -283,15 +291,26 @@ class _Courier:
 
     def end_request(self) -> str | None:
         """What should end the trial: the sweep's request, or ``interrupted`` when its task
-        was cancelled, the worker is closing (it lost its scheduler, or was told to close: the
-        trial's end could not be reported) or the scheduler has not answered for
-        ``scheduler_lost_s``."""
-        state = self._worker.state.tasks.get(self._key)
-        if state is None or state.state not in RUNNING_STATES or self._worker.status not in WORKER_ANY_RUNNING:
-            return "interrupted"
-        if self._request is None and time.monotonic() - self._heard > self._lost_s:
+        was cancelled (the sweep that submitted it is gone), the worker is closing (it lost its
+        scheduler, or was told to close: the trial's end could not be reported) or the
+        scheduler has not answered for ``scheduler_lost_s``; :attr:`cause` then says which,
+        unless the sweep had asked for the interruption itself."""
+        if self._request == "interrupted":
+            return self._request
+        cause = self._own_cause()
+        if cause is not None:
+            self.cause = self.cause or cause
             return "interrupted"
         return self._request
+
+    def _own_cause(self) -> str | None:
+        state = self._worker.state.tasks.get(self._key)
+        if state is None or state.state not in RUNNING_STATES:
+            return "its Dask task was cancelled: the hpo process that ran the sweep is gone"
+        if self._worker.status not in WORKER_ANY_RUNNING or (
+                self._request is None and time.monotonic() - self._heard > self._lost_s):
+            return f"its Dask worker {self._worker.address} closed or lost the scheduler"
+        return None
 
     def stop(self) -> str:
         """Stop the thread; return the log's end that was not shipped."""
@@ -308,9 +327,10 @@ class _Courier:
                 self.chunks += 1
             if time.monotonic() - polled >= POLL_S:
                 polled = time.monotonic()
-                self._poll()
+                self.poll()
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
+        """Read the sweep's request now."""
         try:
             value = self._end.get(timeout=POLL_S * 4)
         except TimeoutError:  # the sweep no longer knows the trial (its scheduler restarted)
@@ -372,7 +392,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     worker = get_worker()
     client = get_client()
     if not _first_start(client, spec.token):
-        return TaskReport(TrialResult(Outcome.LOST, reason="lost: the Dask worker that ran it died"), worker.address)
+        return TaskReport(TrialResult(Outcome.LOST, reason="lost: the Dask worker that ran it died"), worker.address,
+                          again=True)
     folder, shared = _trial_folder(spec, worker, options.shared)
     pool = gpu_pool()
     demand = options.demand
@@ -382,6 +403,7 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
         return TaskReport(TrialResult(Outcome.FAIL, reason=str(exc)), worker.address)
     try:
         courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
+        courier.poll()
         stopping = Event(_stopping_event(options.topic), client=client).is_set()
         asked = courier.end_request() or ("interrupted" if stopping else None)
         if asked is not None:  # the sweep stops, or the worker closes, before it started: it does not start
@@ -400,6 +422,9 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
             result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder)
         finally:
             rest = courier.stop()
+        if result.outcome is Outcome.INTERRUPTED and courier.cause is not None:  # not the sweep's request
+            result = save_result(folder, spec.number, TrialResult(Outcome.LOST, duration_s=result.duration_s,
+                                                                  reason=f"lost: {courier.cause}"))
     finally:
         if gpus:
             pool.give_back(gpus)
@@ -418,33 +443,83 @@ class SchedulerGone(ExecutorUnavailable):
         self.result = result
 
 
+class ClusterBroken(ExecutorUnavailable):
+    """No worker will come to run the trials waiting (their batch jobs could not be submitted);
+    ``result`` is how the trial ended (INTERRUPTED before it started)."""
+
+    def __init__(self, message: str, result: TrialResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _amounts(resources: Mapping[str, float]) -> str:
+    """``GPU=4, CPU=2``: Dask resource amounts as ``dask worker --resources`` takes them."""
+    return ", ".join(f"{name}={amount:.3g}" for name, amount in resources.items())
+
+
 def _gone_before_start(message: str) -> TrialResult:
     """A trial whose task had not started when the scheduler went away (``message``)."""
     return TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {message}; it runs again")
 
 
 class _Watch:
-    """A thread of the executor that watches the scheduler and the workers it knows."""
+    """A thread of the executor that watches the scheduler and the workers it knows.
 
-    def __init__(self, client: Client, address: str) -> None:
+    Args:
+        client: the executor's client.
+        address: the scheduler's address (for messages).
+        patience: seconds the client waits for a scheduler that stopped answering (for messages).
+        say: tells the user when the scheduler stops answering, and when it answers again.
+        on_refresh: called with the workers after each read of them.
+        on_reconnect: called once the client is connected again after it lost the scheduler,
+            or found another one at its address (one that was restarted), before ``on_refresh``.
+    """
+
+    def __init__(self, client: Client, address: str, patience: float, say: Callable[[str], None] = print,
+                 on_refresh: Callable[[Mapping[str, Mapping[str, Any]]], None] = lambda workers: None,
+                 on_reconnect: Callable[[], None] = lambda: None) -> None:
         self._client = client
         self._address = address
-        self.workers: frozenset[str] = frozenset()
+        self._patience = patience
+        self._say = say
+        self._on_refresh = on_refresh
+        self._on_reconnect = on_reconnect
+        self._scheduler_id: str | None = None
+        self.workers: Mapping[str, Mapping[str, Any]] = {}
+        self.heard = time.monotonic()
         self.gone: str | None = None
+        self._silent = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpo-dask-watch", daemon=True)
         self.refresh()
         self._thread.start()
 
     def refresh(self) -> None:
-        """Read the scheduler's status and workers now."""
-        if self._client.status in ("closing", "closed"):
+        """Read the scheduler's status and workers now (:attr:`heard`: when that last worked)."""
+        status = self._client.status
+        if status in ("closing", "closed"):
             self.gone = f"the Dask scheduler at {self._address} is gone"
             return
+        if status != "running":  # reconnecting: Dask's connect timeout decides when it is gone
+            if not self._silent:
+                self._silent = True
+                self._say(f"hpo: the Dask scheduler at {self._address} does not answer; waiting up to "
+                          f"{self._patience:g} s for it")
+            return
         try:
-            self.workers = frozenset(self._client.scheduler_info()["workers"])
+            info = self._client.scheduler_info()
         except Exception:  # unreachable for now: the client's own timeout decides when it is gone
             logger.debug("cannot read the workers of %s", self._address, exc_info=True)
+            return
+        self.heard = time.monotonic()
+        self.workers = info["workers"]
+        known, self._scheduler_id = self._scheduler_id, info.get("id")
+        if self._silent or known not in (None, self._scheduler_id):
+            self._on_reconnect()
+        if self._silent:
+            self._silent = False
+            self._say(f"hpo: the Dask scheduler at {self._address} answers again")
+        self._on_refresh(self.workers)
 
     def stop(self) -> None:
         """Stop watching."""
@@ -468,11 +543,19 @@ class DaskExecutor:
         owned: what else :meth:`close` closes (a cluster hpo started), after the client.
         scheduler_lost_s: seconds a worker runs a trial on without hearing from the scheduler.
         capacity: trials the cluster runs at once (None: what its workers connected now take).
+        say: tells the user what the sweep waits for: trials that no connected worker can run
+            (after ``NO_WORKER_S``), a scheduler that does not answer.
+        no_worker_hint: what the user may do when no worker is connected (how to start one).
+        failures: why batch jobs that hpo started could not be submitted, appended as they
+            fail: each is said once; once no connected worker can run the trials waiting, the
+            sweep stops (:class:`ClusterBroken`), as no job would come to run them.
     """
 
     def __init__(self, client: Client, resources: Resources, offered: Sequence[str] | None = None,
                  shared: bool | None = None, owned: Sequence[Any] = (),
-                 scheduler_lost_s: float = SCHEDULER_LOST_S, capacity: int | None = None) -> None:
+                 scheduler_lost_s: float = SCHEDULER_LOST_S, capacity: int | None = None,
+                 say: Callable[[str], None] = print, no_worker_hint: str = "",
+                 failures: Sequence[str] = ()) -> None:
         self.client = client
         self.address = str(client.scheduler.address)
         self.demand = Demand.of(resources)
@@ -489,8 +572,15 @@ class DaskExecutor:
         self._closed = False
         self._stopping = False
         self._stopping_lock = threading.Lock()
-        client.subscribe_topic(self.options.topic, self._on_event)
-        self.watch = _Watch(client, self.address)
+        self._say = say
+        self._no_worker_hint = no_worker_hint
+        self._queued: dict[str, float] = {}
+        self._told_waiting = False
+        self._failures = failures
+        self._failures_told = 0
+        self.broken: str | None = None
+        self._subscribe()
+        self.watch = _Watch(client, self.address, scheduler_lost_s, say, self._on_workers, self._subscribe)
 
     def capacity(self) -> int:
         """Trials the cluster runs at once (given, or what the workers connected now take)."""
@@ -516,6 +606,48 @@ class DaskExecutor:
             each += f" on 1/{demand.share} of a GPU" if demand.share > 1 else f" on {plural(demand.gpus, 'GPU')}"
         return f"{plural(len(slots), 'slot')} on the Dask cluster at {self.address}: {each} each"
 
+    def _subscribe(self) -> None:
+        """Receive the events of this executor's trials (again, after a reconnect: a scheduler
+        forgets the subscriptions of a client that lost it)."""
+        self.client.subscribe_topic(self.options.topic, self._on_event)
+
+    def _on_workers(self, workers: Mapping[str, Mapping[str, Any]]) -> None:
+        """What the watch read of the ``workers`` connected: say what the sweep waits for, and
+        whether it can wait at all (:attr:`broken`)."""
+        failures = list(self._failures)
+        for why in failures[self._failures_told:]:
+            self._say(f"hpo: a batch job could not be submitted: {why}")
+        self._failures_told = len(failures)
+        restricted = self.options.restricted
+        infos = list(workers.values())
+        if any(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted) for info in infos):
+            self._told_waiting = False
+            return
+        now = time.monotonic()
+        with self._lock:
+            waiting = sum(now - since > NO_WORKER_S for since in self._queued.values())
+        if waiting and failures:
+            self.broken = f"resources.cluster: no batch job could be submitted to run the trials ({failures[-1]})"
+        elif waiting and not self._told_waiting:
+            self._told_waiting = True
+            self._tell_waiting(waiting, infos)
+
+    def _tell_waiting(self, waiting: int, infos: Sequence[Mapping[str, Any]]) -> None:
+        """Say that ``waiting`` trials wait in Dask's queue: no worker is connected, or none of
+        those connected (``infos``) offers the resources a trial takes."""
+        trials = f"{plural(waiting, 'trial')} {'waits' if waiting == 1 else 'wait'}"
+        if not infos:
+            hint = f" ({self._no_worker_hint})" if self._no_worker_hint else ""
+            self._say(f"hpo: no Dask worker is connected to the scheduler at {self.address}: {trials} for one{hint}")
+            return
+        asks = self.demand.restrictions(self.options.restricted)
+        most = {name: max(info.get("resources", {}).get(name, 0.0) for info in infos) for name in asks}
+        offer = "offers" if len(infos) == 1 else "offer"
+        self._say(f"hpo: no Dask worker of the scheduler at {self.address} can run a trial: each takes "
+                  f"{_amounts(asks)} of a worker's Dask resources, and the {plural(len(infos), 'worker')} connected "
+                  f"{offer} at most {_amounts(most)}; {trials} for a worker that can (dask worker {self.address} "
+                  f"--resources {_amounts(asks)} on a machine that has them)")
+
     def _on_event(self, event: tuple[float, Mapping[str, Any]]) -> None:
         message = event[1]
         with self._lock:
@@ -531,6 +663,9 @@ class DaskExecutor:
             raise SchedulerGone(self.watch.gone, _gone_before_start(self.watch.gone))
         key, end, start = _names(spec.token)
         write_files(spec.folder, spec.files)
+        asked = control.end_request()
+        if asked is not None:  # stopped while it was claimed ahead: as on this machine, it never starts
+            return save_result(spec.folder, spec.number, _not_started(spec, asked))
         (spec.folder / RESULT_FILE).unlink(missing_ok=True)  # a result.json here is this start's
         (spec.folder / MARKER).write_text(spec.token)
         events: queue.Queue[Any] = queue.Queue()
@@ -546,13 +681,21 @@ class DaskExecutor:
                     gone = f"the Dask scheduler at {self.address} is gone"
                     raise SchedulerGone(gone, _gone_before_start(gone)) from exc
                 raise
+            with self._lock:
+                self._queued[spec.token] = time.monotonic()
             future.add_done_callback(lambda _: events.put(_DONE))
             return _Following(self, spec, control, future, events).result()
         finally:
             with self._lock:
                 self._events.pop(spec.token, None)
+                self._queued.pop(spec.token, None)
             self._forget(end, start)
             (spec.folder / MARKER).unlink(missing_ok=True)
+
+    def started(self, token: str) -> None:
+        """The task of trial ``token`` started on a worker (it no longer waits for one)."""
+        with self._lock:
+            self._queued.pop(token, None)
 
     def connected(self) -> bool:
         """Whether the client is connected, waiting while it reconnects (Dask's own timeout)."""
@@ -620,7 +763,7 @@ class _Following:
         self._worker: str | None = None
         self._missing_since: float | None = None
         self._started = False
-        self._started_at = 0.0
+        self._started_at = self._seen_at = 0.0
         self._shared = False
         self._chunks = 0
         self._verdict: TrialResult | None = None
@@ -645,8 +788,10 @@ class _Following:
         kind = message.get("kind")
         if kind == "started" and not self._started:
             self._started, self._started_at = True, time.monotonic()
+            self._seen_at = self._started_at
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
+            self._executor.started(self._spec.token)
             self._control.started(tuple(message.get("gpus", ())))
         elif kind == "value":
             self._value(int(message["step"]), float(message["value"]), bool(message.get("judged", True)))
@@ -665,6 +810,11 @@ class _Following:
         elif self._control.intermediate(step, value):
             self._pruned_at = step
             self._ask("pruned")
+
+    def _ran(self) -> float:
+        """How long the trial is known to have run: from its start until its worker was last
+        seen by the scheduler (0 when it never started)."""
+        return max(0.0, self._seen_at - self._started_at) if self._started else 0.0
 
     def _as_judged(self, result: TrialResult) -> TrialResult:
         """``result`` of a trial this side pruned, at the step the pruner judged (its worker
@@ -701,14 +851,20 @@ class _Following:
         if self._asked is not None and not self._started:  # still queued in Dask: it never starts
             self._cancel(_not_started(self._spec, self._asked))
             return
+        if self._executor.broken and not self._started:
+            self._future.cancel()
+            raise ClusterBroken(self._executor.broken, _not_started(self._spec, "interrupted"))
         now = time.monotonic()
+        if self._worker is not None and self._worker in watch.workers:
+            self._seen_at = max(self._seen_at, watch.heard)
         if self._asked == "interrupted" and now - self._asked_at > INTERRUPT_GRACE_S:
-            self._cancel(TrialResult(Outcome.INTERRUPTED, reason="interrupted: the sweep was stopped; its Dask task "
-                                     "did not answer; it runs again on resume"))
+            self._cancel(TrialResult(Outcome.INTERRUPTED, duration_s=self._ran(), reason="interrupted: the sweep was "
+                                     "stopped; its Dask task did not answer; it runs again on resume"))
         elif self._worker is not None:
             self._missing_since = None if self._worker in watch.workers else self._missing_since or now
             if self._missing_since is not None and now - self._missing_since > LOST_GRACE_S:
-                self._cancel(TrialResult(Outcome.LOST, reason=f"lost: its Dask worker {self._worker} is gone"))
+                self._cancel(TrialResult(Outcome.LOST, duration_s=self._ran(),
+                                         reason=f"lost: its Dask worker {self._worker} is gone"))
 
     def _cancel(self, verdict: TrialResult) -> None:
         self._future.cancel()
@@ -718,17 +874,18 @@ class _Following:
         try:
             report: TaskReport = self._future.result()
         except KilledWorker as exc:
-            return TrialResult(Outcome.LOST, reason=f"lost: Dask workers died running it ({exc})")
+            return TrialResult(Outcome.LOST, duration_s=self._ran(), reason=f"lost: Dask workers died running it ({exc})")
         except CancelledError as exc:
             if not self._executor.connected():
                 raise self._gone(f"the Dask scheduler at {self._executor.address} is gone") from exc
-            verdict = TrialResult(Outcome.INTERRUPTED, reason="interrupted: the Dask scheduler dropped its task "
-                                  "(restarted?); it runs again")
+            verdict = TrialResult(Outcome.INTERRUPTED, duration_s=self._ran(),
+                                  reason="interrupted: the Dask scheduler dropped its task (restarted?); it runs again")
             self._note(f"hpo: {verdict.reason}\n")
             return verdict
-        if report.result.outcome is Outcome.LOST:
-            self._note(f"hpo: {report.result.reason} (worker {self._worker})\n")
-            return report.result
+        if report.again:
+            lost = replace(report.result, duration_s=self._ran())
+            self._note(f"hpo: {lost.reason} (worker {self._worker})\n")
+            return lost
         if not report.started:
             self._note(f"hpo: not started on Dask worker {report.worker}: {report.result.reason}\n")
             return report.result
@@ -738,9 +895,7 @@ class _Following:
         if not report.shared:
             self._drain(report.chunks)
             self._note(report.rest)
-        if result.outcome is Outcome.INTERRUPTED and self._asked != "interrupted":  # its worker ended it
-            result = TrialResult(Outcome.LOST, duration_s=result.duration_s,
-                                 reason=f"lost: its Dask worker {report.worker} closed or lost the scheduler")
+        if result.outcome is Outcome.LOST:  # its worker ended it
             self._note(f"hpo: {result.reason}\n")
         elif report.shared and result == report.result:  # the worker wrote it into the folder
             return result
@@ -758,8 +913,8 @@ class _Following:
         elif written is None:
             result = TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - self._started_at,
                                  reason=interrupted)
-        elif written.outcome is Outcome.INTERRUPTED:  # by its worker, which lost the scheduler
-            result = replace(written, reason=interrupted)
+        elif written.outcome.run_again:  # ended by its worker, which lost the scheduler
+            result = TrialResult(Outcome.INTERRUPTED, duration_s=written.duration_s, reason=interrupted)
         else:
             result = self._as_judged(written)
             if result != written:
@@ -808,7 +963,7 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     if timeout is None:
         timeout = float(parse_timedelta(dask.config.get("distributed.comm.timeouts.connect")))
     if cluster.address is None:
-        return _batch_jobs(cluster, resources, timeout, shared, job_logs)
+        return _batch_jobs(cluster, resources, timeout, shared, job_logs, say)
     address = cluster.address
     unreachable = f"{field}: cannot reach the Dask scheduler at {address}"
     if nothing_listens(address):
@@ -823,7 +978,8 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
     if not client.scheduler_info()["workers"]:
         say(f"waiting for a Dask worker to join the scheduler at {address}")
         client.wait_for_workers(1)
-    return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout)
+    return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout, say=say,
+                        no_worker_hint=f"start one: dask worker {client.scheduler.address}")
 
 
 REFUSED_GRACE_S = 5.0
@@ -890,7 +1046,7 @@ async def _identity(address: str) -> Any:
 
 
 def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: bool | None,
-                job_logs: Path | None) -> DaskExecutor:
+                job_logs: Path | None, say: Callable[[str], None]) -> DaskExecutor:
     from hpo import jobqueue
 
     per_job = jobqueue.trials_per_job(cluster, resources)
@@ -899,8 +1055,10 @@ def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: 
         raise InputError(f"resources.cluster: a job of {cluster.cores} cores and {cluster.gpus} GPUs cannot run a "
                          f"trial of {plural(demand.processes, 'process')} on "
                          f"{'1/' + str(demand.share) if demand.share > 1 else demand.gpus} GPUs")
-    jobs = jobqueue.start(cluster, resources, job_logs)
+    failures: list[str] = []
+    jobs = jobqueue.start(cluster, resources, job_logs, on_failure=failures.append)
     client = Client(jobs, timeout=timeout, set_as_default=False)
     offered = ("CPU", "GPU") if cluster.gpus else ("CPU",)
+    hint = f"its {cluster.kind} jobs are queued or starting" + (f"; their output: {job_logs}" if job_logs else "")
     return DaskExecutor(client, resources, offered, shared, owned=(jobs,), scheduler_lost_s=timeout,
-                        capacity=cluster.jobs * per_job)
+                        capacity=cluster.jobs * per_job, say=say, no_worker_hint=hint, failures=failures)

@@ -4,15 +4,22 @@
 cluster whose scheduler runs inside ``hpo run``. Each job runs one Dask worker that offers
 its cores and GPUs as the Dask resources ``CPU`` and ``GPU``, so that it runs as many
 trials at once as they allow. hpo scales the jobs to the trials waiting or running
-(:class:`TrialAdaptive`, at most ``jobs``) and cancels them when the sweep ends.
+(:class:`TrialAdaptive`, at most ``jobs``) and cancels them when the sweep ends. A job the
+batch system refuses (``sbatch`` exits non-zero: a wrong partition or account, a controller
+that cannot be reached) is reported in one line (the command's last error line) to the
+sweep, which stops where no worker is left to run its trials.
 """
 from __future__ import annotations
 
 import math
+import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dask.utils import parse_bytes
+from distributed.core import Status
 from distributed.deploy import Adaptive
 
 from hpo.errors import InputError
@@ -95,33 +102,72 @@ def _condor_line(line: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | None = None) -> Any:
+def submit_error(exc: BaseException) -> str:
+    """The line that says why a job was not submitted: the submit command's last error line
+    (dask-jobqueue's error quotes its whole output), else the error's first line."""
+    text = str(exc)
+    stderr = text.partition("\nstderr:\n")[2]
+    lines = [line.strip() for line in (stderr or text).splitlines() if line.strip()]
+    return (lines[-1] if stderr and lines else lines[0] if lines else type(exc).__name__)
+
+
+def _reporting(job_cls: Any, on_failure: Callable[[str], None]) -> Any:
+    """``job_cls`` whose failed submission is passed to ``on_failure`` (:func:`submit_error`)
+    instead of raised into Dask's event loop, which would print its traceback and never
+    submit the job again: the job stands as one that never joins (it has no job id, so
+    closing it cancels nothing)."""
+
+    class Reporting(job_cls):  # type: ignore[misc,valid-type]
+        async def start(self) -> None:
+            try:
+                await super().start()
+            except Exception as exc:
+                on_failure(submit_error(exc))
+                self.status = Status.running
+
+    return Reporting
+
+
+def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> Any:
     """A dask-jobqueue cluster of ``spec`` with no job yet (its scheduler runs in this process,
     with Dask's dashboard when ``dashboard``); its jobs write their output into
-    ``log_directory`` (default: the batch system's, usually the current folder)."""
+    ``log_directory`` (default: the batch system's, usually the current folder). With
+    ``on_failure``, a job that cannot be submitted is reported to it (see :func:`_reporting`)."""
     import dask_jobqueue
 
     assert spec.kind is not None
     cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind])
     options = job_options(spec)
+    if on_failure is not None:
+        options["job_cls"] = _reporting(cls.job_cls, on_failure)
     if log_directory is not None:
         log_directory.mkdir(parents=True, exist_ok=True)
         options["log_directory"] = str(log_directory)
-    return cls(**options, scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
+    with warnings.catch_warnings():  # Dask's four lines when 8787 is taken: the dashboard takes another port
+        warnings.filterwarnings("ignore", message="Port .* is already in use", category=UserWarning)
+        return cls(**options, scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
 
 
-def job_script(spec: Cluster) -> str:
+def job_script(spec: Cluster, log_directory: Path | None = None) -> str:
     """The job script hpo would submit for ``spec``, as dask-jobqueue writes it, but with
-    :data:`SCHEDULER_PLACEHOLDER` for the address of the scheduler that ``hpo run`` starts.
+    :data:`SCHEDULER_PLACEHOLDER` for the address of the scheduler that ``hpo run`` starts,
+    and with the job's output going into ``log_directory`` (as :func:`start` sends it).
 
     It is built from dask-jobqueue's job class alone: no scheduler is started, so no port is
-    opened and nothing is written (a scheduler makes ``dask-scratch-space`` and its lock files).
+    opened and nothing is written (a scheduler makes ``dask-scratch-space`` and its lock files;
+    the job class makes its log directory, so an empty temporary one stands in for it).
     """
     import dask_jobqueue
 
     assert spec.kind is not None
     job_cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind]).job_cls
-    return str(job_cls(SCHEDULER_PLACEHOLDER, name="dummy-name", **job_options(spec)).job_script())
+    if log_directory is None:
+        return str(job_cls(SCHEDULER_PLACEHOLDER, name="dummy-name", **job_options(spec)).job_script())
+    with tempfile.TemporaryDirectory(prefix="hpo-job-logs-") as stand_in:
+        script = job_cls(SCHEDULER_PLACEHOLDER, name="dummy-name", log_directory=stand_in,
+                         **job_options(spec)).job_script()
+    return str(script).replace(stand_in, str(log_directory))
 
 
 class TrialAdaptive(Adaptive):
@@ -145,10 +191,12 @@ class TrialAdaptive(Adaptive):
         return math.ceil(unfinished / self._per_job)
 
 
-def start(spec: Cluster, resources: Resources, log_directory: Path | None = None) -> Any:
+def start(spec: Cluster, resources: Resources, log_directory: Path | None = None,
+          on_failure: Callable[[str], None] | None = None) -> Any:
     """Start the cluster of ``spec`` with :class:`TrialAdaptive` scaling up to ``spec.jobs``;
-    the jobs' output goes into ``log_directory``."""
-    cluster = make_cluster(spec, log_directory=log_directory)
+    the jobs' output goes into ``log_directory``; jobs that cannot be submitted are reported
+    to ``on_failure``."""
+    cluster = make_cluster(spec, log_directory=log_directory, on_failure=on_failure)
     cluster.adapt(Adaptive=TrialAdaptive, minimum_jobs=0, maximum_jobs=spec.jobs,
                   per_job=max(1, trials_per_job(spec, resources)))
     return cluster

@@ -1,0 +1,174 @@
+"""Faults around trials on a Dask cluster, with real ``dask scheduler`` and ``dask worker``
+processes: a trial whose worker dies is LOST after the time it ran (not after 0 s), a trial
+whose ``hpo run`` is killed is recorded LOST by its worker, and a sweep whose scheduler was
+restarted under it still hears its trials (values, starts) on the new one."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import WriteScenario, cli_env
+from distributed import Client
+from test_dask import START_S, Control, LocalDask, Running, held, own_cluster, trial_spec, wait_for, where
+
+from hpo.dask_executor import DaskExecutor
+from hpo.executor import saved_result
+from hpo.outcome import Outcome
+from hpo.render import LOG_FILE
+from hpo.scenario import Resources
+
+__all__ = ["own_cluster"]  # the fixture, shared with tests/test_dask.py
+
+
+def test_a_trial_whose_worker_is_killed_is_lost_after_the_time_it_ran(own_cluster: LocalDask,
+                                                                      tmp_path: Path) -> None:
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10)
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = trial_spec(tmp_path, "print('ppid', __import__('os').getppid(), flush=True)\n" + held(hold), "killed")
+    run = Running(executor, spec, Control())
+    try:
+        wait_for(lambda: "held" in run.log(), "the trial did not start")
+        time.sleep(2.5)
+        os.kill(own_cluster.pids()[where(spec.folder)["worker"]], signal.SIGKILL)
+        run.thread.join(30)
+    finally:
+        hold.unlink()
+        executor.close()
+    assert run.error is None and run.result.outcome is Outcome.LOST, (run.result, run.error)
+    assert 1.0 < run.result.duration_s < 10, run.result  # it ran 2.5 s; the watch reads the workers each second
+
+
+def test_a_dask_trial_whose_hpo_run_is_killed_is_recorded_lost_by_its_worker(own_cluster: LocalDask,
+                                                                             write_scenario: WriteScenario,
+                                                                             tmp_path: Path) -> None:
+    """kill -9 of ``hpo run``: its Dask task is cancelled, the worker ends the trial and writes
+    LOST (not "interrupted: the sweep was stopped", which nobody asked for), as a trial of a
+    killed sweep is on this machine."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    path = write_scenario(tmp_path, template_text=held(hold))
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", own_cluster.address],
+                           env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = path.parent / "runs" / "demo" / "trial-0000"
+    try:
+        wait_for(lambda: "held" in ((folder / LOG_FILE).read_text() if (folder / LOG_FILE).exists() else ""),
+                 "the trial did not start")
+        time.sleep(1.0)
+        run.kill()
+        run.wait(10)
+        wait_for(lambda: saved_result(folder, 0) is not None, "the worker did not end the trial", 15)
+    finally:
+        hold.unlink(missing_ok=True)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    result = saved_result(folder, 0)
+    assert result is not None and result.outcome is Outcome.LOST, result
+    assert result.reason == "lost: its Dask task was cancelled: the hpo process that ran the sweep is gone"
+    assert result.duration_s > 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class RestartableDask(LocalDask):
+    """A scheduler on a fixed port, so that a new one can take the place of a killed one."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        super().__init__(folder)
+
+    def _scheduler(self) -> str:
+        argv = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port",
+                str(self.port), "--no-dashboard"]
+        self.scheduler = self._spawn(argv, f"scheduler-{len(self.procs)}.log", cli_env())
+        address = f"tcp://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return address
+            except OSError:
+                assert time.monotonic() < deadline and self.scheduler.poll() is None, "the scheduler did not start"
+                time.sleep(0.05)
+
+    def restart(self) -> None:
+        """Kill the scheduler (its workers close) and start a new one at the same address."""
+        self.client.close()
+        self.scheduler.kill()
+        self.scheduler.wait()
+        self._scheduler()
+        self.client = Client(self.address, timeout=10, set_as_default=False)
+
+
+@pytest.fixture
+def restartable(tmp_path: Path) -> Iterator[RestartableDask]:
+    dask = RestartableDask(tmp_path / "dask")
+    try:
+        dask.worker("w1", 1)
+        yield dask
+    finally:
+        dask.close()
+
+
+STEPS = """\
+import time
+from hpo.results import report
+for step in range(40):
+    report(step=step, val_error=1.0 / (step + 1))
+    time.sleep(0.05)
+"""
+
+
+def test_a_sweep_hears_its_trials_on_a_scheduler_restarted_under_it(restartable: RestartableDask,
+                                                                    tmp_path: Path) -> None:
+    """The scheduler forgets the sweep's event subscription when it restarts: the sweep
+    subscribes again, so a trial on the new scheduler is seen starting and is pruned."""
+    said: list[str] = []
+    executor = DaskExecutor(Client(restartable.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            shared=False, scheduler_lost_s=10, say=said.append)
+    try:
+        restartable.restart()
+        restartable.worker("w2", 1)
+        wait_for(lambda: set(executor.watch.workers) == set(restartable.pids()), "the sweep did not reconnect", 20)
+        control = Control(prune_at=3)
+        result = executor.run(trial_spec(tmp_path, STEPS, "restarted"), control)
+    finally:
+        executor.close()
+    assert (result.outcome, result.step) == (Outcome.PRUNED, 3), result
+    assert control.values[:4] == [(0, 1.0), (1, 0.5), (2, 1 / 3), (3, 0.25)]
+
+
+class StoppedAhead(Control):
+    """A trial a user stopped while it was claimed ahead, before its slot was free."""
+
+    def end_request(self) -> str | None:
+        return "stopped"
+
+
+def test_a_trial_stopped_while_claimed_ahead_never_starts_on_dask(own_cluster: LocalDask, tmp_path: Path) -> None:
+    """As on this machine: STOPPED after 0 s, never started (two idle workers were ready to)."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10)
+    control = StoppedAhead()
+    try:
+        spec = trial_spec(tmp_path, "print('started', flush=True)\nprint('val_error=0.5')\n", "ahead")
+        result = executor.run(spec, control)
+        time.sleep(1.0)
+    finally:
+        executor.close()
+    assert (result.outcome, result.duration_s, result.reason) == (Outcome.STOPPED, 0.0, "stopped by the user")
+    assert control.gpus is None and not (spec.folder / LOG_FILE).exists()
+    assert saved_result(spec.folder, 5) == result

@@ -1,0 +1,117 @@
+"""A sweep on a Dask cluster says what it waits for: trials that no connected worker can run
+(none is connected, or none offers the resources a trial takes), once, after they waited
+``NO_WORKER_S``; real ``dask scheduler`` and ``dask worker`` processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import WriteScenario, cli_env, run_hpo
+from distributed import Client
+from test_dask import Control, LocalDask, Running, own_cluster, trial_spec, wait_for
+
+from hpo import dask_executor
+from hpo.dask_executor import DaskExecutor
+from hpo.outcome import Outcome
+from hpo.scenario import Resources
+
+__all__ = ["own_cluster"]  # the fixture, shared with tests/test_dask.py
+
+
+@pytest.fixture(autouse=True)
+def quick_notice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dask_executor, "NO_WORKER_S", 0.5)
+
+
+def test_trials_no_worker_can_run_are_named_once(own_cluster: LocalDask, tmp_path: Path) -> None:
+    """Each trial takes a GPU; the two workers offer none."""
+    said: list[str] = []
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(),
+                            offered=("GPU",), scheduler_lost_s=10, say=said.append)
+    try:
+        run = Running(executor, trial_spec(tmp_path, "print('val_error=0.5')\n", "unfit"), Control())
+        wait_for(lambda: said, "the sweep waited without a word", 10)
+        time.sleep(2.5)
+        run.control.stopping = True
+        run.thread.join(20)
+    finally:
+        executor.close()
+    assert said == [(f"hpo: no Dask worker of the scheduler at {own_cluster.address} can run a trial: each takes GPU=1 "
+                    "of a worker's Dask resources, and the 2 workers connected offer at most GPU=0; 1 trial waits for "
+                    f"a worker that can (dask worker {own_cluster.address} --resources GPU=1 on a machine that has "
+                    "them)")]
+    assert run.error is None and (run.result.outcome, run.result.duration_s) == (Outcome.INTERRUPTED, 0.0)
+
+
+def test_a_scheduler_without_workers_is_named_and_a_worker_that_joins_runs_the_trial(tmp_path: Path) -> None:
+    dask = LocalDask(tmp_path / "dask")
+    said: list[str] = []
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10, say=said.append)
+    try:
+        run = Running(executor, trial_spec(tmp_path, "print('val_error=0.5')\n", "no-worker"), Control())
+        wait_for(lambda: said, "the sweep waited without a word", 10)
+        dask.worker("late", 1)
+        run.thread.join(30)
+    finally:
+        executor.close()
+        dask.close()
+    assert said == [f"hpo: no Dask worker is connected to the scheduler at {dask.address}: 1 trial waits for one"]
+    assert run.error is None and (run.result.outcome, run.result.value) == (Outcome.COMPLETE, 0.5)
+
+
+def test_hpo_run_says_when_no_worker_offers_what_a_trial_takes(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """The user's path: gpus_per_trial 4 on a cluster whose worker offers GPU=2."""
+    dask = LocalDask(tmp_path / "dask")
+    try:
+        dask.worker("gpu", 1, gpus="0,1", resources="GPU=2")
+        path = write_scenario(tmp_path, resources={"gpus_per_trial": 4})
+        run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", dask.address],
+                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        assert run.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(run.stdout or ()), daemon=True)
+        reader.start()
+        try:
+            wait_for(lambda: len(lines) >= 2, "hpo run waited without a word", 20)
+            run.send_signal(signal.SIGINT)
+            run.wait(30)
+            reader.join(10)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    finally:
+        dask.close()
+    assert lines[1].startswith(f"hpo: no Dask worker of the scheduler at {dask.address} can run a trial: each takes "
+                               "GPU=4 of a worker's Dask resources, and the 1 worker connected offers at most GPU=2;")
+    assert run.returncode == 130, lines
+
+
+def test_a_batch_job_that_cannot_be_submitted_stops_the_sweep_in_one_line(tmp_path: Path,
+                                                                          write_scenario: WriteScenario) -> None:
+    """sbatch refuses the job (a wrong partition): hpo says so and stops, the trials waiting
+    go back to WAITING; no traceback, no wait for a job that never comes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    path = write_scenario(tmp_path, resources={"cluster": {"kind": "slurm", "jobs": 1, "cores": 1, "memory": "1GB",
+                                                           "queue": "gpu"}})
+    env = {**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-m", "hpo", "run", str(path)], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert "hpo: a batch job could not be submitted: sbatch: error: invalid partition specified: gpu\n" in done.stdout
+    assert done.stderr.startswith("error: resources.cluster: no batch job could be submitted to run the trials "
+                                  "(sbatch: error: invalid partition specified: gpu); ")
+    assert "Traceback" not in done.stdout + done.stderr and "UserWarning" not in done.stderr
+    rows = run_hpo("export", path)
+    assert [line.split(",")[1] for line in rows.stdout.splitlines()[1:]] == ["WAITING"] * 2, rows.stdout
