@@ -9,8 +9,9 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 * a result its folder holds (``result.json``: the store was down when it ended) is recorded;
 * a claim that never started goes back to the queue (WAITING);
 * otherwise it is recorded LOST and its configuration queued again, unless it was lost
-  ``LOST_LIMIT`` times in a row: then it is FAIL with reason ``lost 3 times``. Either way its
-  duration is what is known of its run (:func:`ran_s`).
+  :data:`hpo.scheduler.LOST_LIMIT` times in a row: then it is FAIL with reason ``lost 3
+  times`` (:func:`hpo.scheduler.requeue_lost`, as for a trial its executor found lost). Either
+  way its duration is what is known of its run (:func:`ran_s`).
 
 :func:`recover_stale` returns a :class:`Recovered` for each, so the worker can say so.
 """
@@ -30,12 +31,11 @@ from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder
 from hpo.rows import TrialRow
-from hpo.scheduler import HOST, requeue
+from hpo.scheduler import HOST, requeue, requeue_lost
 from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
 STALE_AFTER_BEATS = 3
-LOST_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -163,15 +163,13 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
     result it recorded (None: back to the queue)."""
     saved = saved_result(folder, row.number)
     if saved is not None:
-        if saved.outcome.run_again:
+        if saved.outcome is Outcome.LOST:  # its Dask worker found the trial cut off
+            saved = requeue_lost(store, row, rows, saved)
+        elif saved.outcome.run_again:
             requeue(store, row, rows)
         return store.end_other(row.number, saved, folder), saved
     if SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
         return store.back_to_waiting(row.number), None
-    if row.lost_count + 1 >= LOST_LIMIT:
-        result = TrialResult(Outcome.FAIL, duration_s=ran_s(trial),
-                             reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)")
-    else:
-        requeue(store, row, rows, lost_count=row.lost_count + 1)
-        result = TrialResult(Outcome.LOST, duration_s=ran_s(trial), reason="lost: its worker stopped")
+    result = requeue_lost(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
+                                                        reason="lost: its worker stopped"))
     return store.end_other(row.number, result, folder), result

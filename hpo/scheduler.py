@@ -87,6 +87,22 @@ def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any
     return True
 
 
+LOST_LIMIT = 3
+"""A configuration whose trial was lost this many times in a row (it kills its worker: out of
+memory, a job's walltime) is recorded FAIL instead of being queued again: nothing loops."""
+
+
+def requeue_lost(store: StudyStore, row: TrialRow, rows: list[TrialRow], lost: TrialResult) -> TrialResult:
+    """How to record ``row``'s trial, ``lost``: as it is, its configuration queued again with
+    one more loss counted, or FAIL (``lost 3 times``) once it was lost :data:`LOST_LIMIT` times
+    in a row. Call under the ask lock."""
+    if row.lost_count + 1 >= LOST_LIMIT:
+        return TrialResult(Outcome.FAIL, duration_s=lost.duration_s,
+                           reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)")
+    requeue(store, row, rows, **{ATTR_LOST_COUNT: row.lost_count + 1})
+    return lost
+
+
 class Scheduler:
     """Claims trials for one worker's slots and settles how they ended.
 
@@ -219,15 +235,18 @@ class Scheduler:
         store = self.store
         retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT)
         if result.outcome.run_again or retry:
-            def section() -> None:
+            def section() -> TrialResult:
                 rows = store.rows(store.trials())
                 row = next(r for r in rows if r.number == claim.number)
+                if result.outcome is Outcome.LOST:  # its executor found its worker dead (Dask)
+                    return requeue_lost(store, row, rows, result)
                 if result.outcome.run_again:
                     requeue(store, row, rows)
                 elif row.retries < store.scenario.search.retry_failed:
                     requeue(store, row, rows, **{ATTR_RETRY_OF: row.number, ATTR_RETRIES: row.retries + 1})
+                return result
 
-            store.locked(section)
+            result = store.locked(section)
         return store.record(claim.number, result, claim.folder)
 
     def holds(self, claim: Claim) -> bool:

@@ -16,9 +16,9 @@ from optuna.trial import TrialState, create_trial
 from hpo import designs
 from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
-from hpo.recovery import LOST_LIMIT, STALE_AFTER_BEATS, Recovered, gone_why, is_stale, judges_beats, recover_stale
+from hpo.recovery import STALE_AFTER_BEATS, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
-from hpo.scheduler import HOST, Claim, Scheduler, worker_id
+from hpo.scheduler import HOST, LOST_LIMIT, Claim, Scheduler, worker_id
 from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 

@@ -11,7 +11,7 @@ from hpo import designs, space
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import budget_used
 from hpo.scenario import load_scenario
-from hpo.scheduler import WAIT, Claim, Scheduler, requeue
+from hpo.scheduler import LOST_LIMIT, WAIT, Claim, Scheduler, requeue
 from hpo.store import StudyStore
 
 WriteScenario = Callable[..., Path]
@@ -262,3 +262,20 @@ def test_hpo_run_runs_a_queued_rerun_with_its_seed_past_the_budget(tmp_path: Pat
     complete(scheduler, resumed)
     with store.lock():
         assert scheduler.claim(set()) is None
+
+
+def test_a_configuration_its_executor_found_lost_three_times_is_a_fail(tmp_path: Path,
+                                                                      write_scenario: WriteScenario) -> None:
+    """A Dask trial that kills its worker ends LOST through its executor, not through recovery:
+    it was queued again without counting the loss, and ran 60 times in 150 s until stopped."""
+    scheduler = make(tmp_path, write_scenario, trials=1)
+    for _ in range(LOST_LIMIT):
+        lost = claim(scheduler)
+        assert scheduler.settle(lost, TrialResult(Outcome.LOST, duration_s=2.0,
+                                                  reason="lost: its Dask worker tcp://w:1 is gone"))
+    with scheduler.store.lock():
+        assert scheduler.claim(set()) is None
+    rows = scheduler.store.rows()
+    assert [(r.outcome, r.lost_count) for r in rows] == [(Outcome.LOST, 0), (Outcome.LOST, 1), (Outcome.FAIL, 2)]
+    assert rows[-1].reason == "lost 3 times: its worker stopped each time (out of memory? walltime?)"
+    assert rows[-1].duration_s == 2.0 and len({repr(r.params) for r in rows}) == 1
