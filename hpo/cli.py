@@ -233,7 +233,8 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
     from hpo.scenario import Cluster
 
-    if getattr(args, "cluster", None):
+    given = getattr(args, "cluster", None) is not None  # --cluster "" is refused, not taken for no flag
+    if given:
         from pydantic import ValidationError
 
         try:
@@ -251,7 +252,7 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
     return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True),
                         job_logs=ctx.workdir / "jobs",
-                        field="--cluster" if getattr(args, "cluster", None) else "resources.cluster")
+                        field="--cluster" if given else "resources.cluster")
 
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
@@ -693,7 +694,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from hpo.jobqueue import job_script
 
         print(f"cluster: up to {cluster.jobs} {cluster.kind} jobs, each submitted with this job script:")
-        print(job_script(cluster).rstrip())
+        print(job_script(cluster, ctx.workdir / "jobs").rstrip())
     return EXIT_OK
 
 

@@ -166,3 +166,21 @@ def test_a_rerun_says_whether_it_reproduced_and_refuses_a_seed_the_trial_cannot_
     changed = run_hpo("rerun", drifting, "0", "--seed", "26")
     assert changed.returncode == 0, changed.stderr
     assert "val_error=0.51; trial 0 had val_error=0.26, this run +0.25 (+96%); folder " in changed.stdout
+
+
+def test_an_empty_cluster_address_is_refused_not_taken_for_this_machine(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = write_scenario(tmp_path)
+    run = run_hpo("run", scenario, "--cluster", "")
+    assert (run.returncode, run.stderr) == (2, ("error: --cluster: expected a Dask scheduler address such as "
+                                               "tcp://10.0.0.5:8786 ([tcp|tls|ucx|ws|wss://]HOST:PORT), got ''\n"))
+    assert "COMPLETE" not in run.stdout
+
+
+def test_validate_prints_the_job_script_that_hpo_run_submits_with_its_output_files(tmp_path: Path) -> None:
+    """hpo run sends each job's output into <workdir>/jobs; the printed script left that out."""
+    scenario = Path(__file__).resolve().parents[1] / "scenarios" / "digits-slurm.yaml"
+    validated = run_hpo("validate", scenario, "--workdir", tmp_path / "w")
+    assert validated.returncode == 0, validated.stderr
+    assert f"#SBATCH -o {tmp_path}/w/jobs/dask-worker-%J.out\n" in validated.stdout
+    assert not (tmp_path / "w" / "jobs").exists()
