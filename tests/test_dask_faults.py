@@ -17,6 +17,7 @@ import pytest
 from conftest import WriteScenario, cli_env
 from distributed import Client
 from test_dask import START_S, Control, LocalDask, Running, held, own_cluster, trial_spec, wait_for, where
+from test_engine_starts import Events, sweep_of
 
 from hpo.dask_executor import DaskExecutor
 from hpo.executor import saved_result
@@ -172,3 +173,19 @@ def test_a_trial_stopped_while_claimed_ahead_never_starts_on_dask(own_cluster: L
     assert (result.outcome, result.duration_s, result.reason) == (Outcome.STOPPED, 0.0, "stopped by the user")
     assert control.gpus is None and not (spec.folder / LOG_FILE).exists()
     assert saved_result(spec.folder, 5) == result
+
+
+def test_a_trial_whose_program_cannot_start_on_dask_is_not_announced_as_started(
+        own_cluster: LocalDask, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """As on this machine (tests/test_engine_starts.py): the worker sent its start before it
+    tried to start the process, and the sweep printed 'trial 0 started' before its FAIL."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10)
+    events = Events()
+    try:
+        sweep_of(tmp_path, write_scenario, "#!/no/such/interpreter\n", executor).run(events)
+    finally:
+        executor.close()
+    assert events.said == ["end 0", "end 1"]
+    assert [(end.result.outcome, end.result.reason) for end in events.ends] == \
+        [(Outcome.FAIL, "cannot start ./run.sh: No such file or directory")] * 2
