@@ -563,15 +563,18 @@ class DaskExecutor:
             (after ``NO_WORKER_S``), a scheduler that does not answer.
         no_worker_hint: what the user may do when no worker is connected (how to start one).
         failures: why batch jobs that hpo started could not be submitted, appended as they
-            fail: each is said once; once no connected worker can run the trials waiting, the
-            sweep stops (:class:`ClusterBroken`), as no job would come to run them.
+            fail: each is said once; once no connected worker can run the trials waiting and no
+            job was ever submitted (``any_submitted``), the sweep stops (:class:`ClusterBroken`),
+            as no job would come to run them. A job submitted may still be pending in the batch
+            queue, however long: then the sweep waits for it.
+        any_submitted: whether a batch job was submitted (False where hpo starts no jobs).
     """
 
     def __init__(self, client: Client, resources: Resources, offered: Sequence[str] | None = None,
                  shared: bool | None = None, owned: Sequence[Any] = (),
                  scheduler_lost_s: float = SCHEDULER_LOST_S, capacity: int | None = None,
                  say: Callable[[str], None] = print, no_worker_hint: str = "",
-                 failures: Sequence[str] = ()) -> None:
+                 failures: Sequence[str] = (), any_submitted: Callable[[], bool] = lambda: False) -> None:
         self.client = client
         self.address = str(client.scheduler.address)
         self.demand = Demand.of(resources)
@@ -593,6 +596,7 @@ class DaskExecutor:
         self._queued: dict[str, float] = {}
         self._told_waiting = False
         self._failures = failures
+        self._any_submitted = any_submitted
         self._failures_told = 0
         self.broken: str | None = None
         self._subscribe()
@@ -642,7 +646,7 @@ class DaskExecutor:
         now = time.monotonic()
         with self._lock:
             waiting = sum(now - since > NO_WORKER_S for since in self._queued.values())
-        if waiting and failures:
+        if waiting and failures and not self._any_submitted():
             self.broken = f"resources.cluster: no batch job could be submitted to run the trials ({failures[-1]})"
         elif waiting and not self._told_waiting:
             self._told_waiting = True
@@ -1072,9 +1076,12 @@ def _batch_jobs(cluster: Cluster, resources: Resources, timeout: float, shared: 
                          f"trial of {plural(demand.processes, 'process')} on "
                          f"{'1/' + str(demand.share) if demand.share > 1 else demand.gpus} GPUs")
     failures: list[str] = []
-    jobs = jobqueue.start(cluster, resources, job_logs, on_failure=failures.append)
+    submitted: list[bool] = []
+    jobs = jobqueue.start(cluster, resources, job_logs, on_failure=failures.append,
+                          on_submitted=lambda: submitted.append(True))
     client = Client(jobs, timeout=timeout, set_as_default=False)
     offered = ("CPU", "GPU") if cluster.gpus else ("CPU",)
     hint = f"its {cluster.kind} jobs are queued or starting" + (f"; their output: {job_logs}" if job_logs else "")
     return DaskExecutor(client, resources, offered, shared, owned=(jobs,), scheduler_lost_s=timeout,
-                        capacity=cluster.jobs * per_job, say=say, no_worker_hint=hint, failures=failures)
+                        capacity=cluster.jobs * per_job, say=say, no_worker_hint=hint, failures=failures,
+                        any_submitted=lambda: bool(submitted))

@@ -111,11 +111,11 @@ def submit_error(exc: BaseException) -> str:
     return (lines[-1] if stderr and lines else lines[0] if lines else type(exc).__name__)
 
 
-def _reporting(job_cls: Any, on_failure: Callable[[str], None]) -> Any:
+def _reporting(job_cls: Any, on_failure: Callable[[str], None], on_submitted: Callable[[], None]) -> Any:
     """``job_cls`` whose failed submission is passed to ``on_failure`` (:func:`submit_error`)
     instead of raised into Dask's event loop, which would print its traceback and never
     submit the job again: the job stands as one that never joins (it has no job id, so
-    closing it cancels nothing)."""
+    closing it cancels nothing). A submission that succeeds calls ``on_submitted``."""
 
     class Reporting(job_cls):  # type: ignore[misc,valid-type]
         async def start(self) -> None:
@@ -124,23 +124,27 @@ def _reporting(job_cls: Any, on_failure: Callable[[str], None]) -> Any:
             except Exception as exc:
                 on_failure(submit_error(exc))
                 self.status = Status.running
+                return
+            on_submitted()
 
     return Reporting
 
 
 def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | None = None,
-                 on_failure: Callable[[str], None] | None = None) -> Any:
+                 on_failure: Callable[[str], None] | None = None,
+                 on_submitted: Callable[[], None] = lambda: None) -> Any:
     """A dask-jobqueue cluster of ``spec`` with no job yet (its scheduler runs in this process,
     with Dask's dashboard when ``dashboard``); its jobs write their output into
     ``log_directory`` (default: the batch system's, usually the current folder). With
-    ``on_failure``, a job that cannot be submitted is reported to it (see :func:`_reporting`)."""
+    ``on_failure``, a job that cannot be submitted is reported to it, and one submitted to
+    ``on_submitted`` (see :func:`_reporting`)."""
     import dask_jobqueue
 
     assert spec.kind is not None
     cls = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind])
     options = job_options(spec)
     if on_failure is not None:
-        options["job_cls"] = _reporting(cls.job_cls, on_failure)
+        options["job_cls"] = _reporting(cls.job_cls, on_failure, on_submitted)
     if log_directory is not None:
         log_directory.mkdir(parents=True, exist_ok=True)
         options["log_directory"] = str(log_directory)
@@ -192,11 +196,11 @@ class TrialAdaptive(Adaptive):
 
 
 def start(spec: Cluster, resources: Resources, log_directory: Path | None = None,
-          on_failure: Callable[[str], None] | None = None) -> Any:
+          on_failure: Callable[[str], None] | None = None, on_submitted: Callable[[], None] = lambda: None) -> Any:
     """Start the cluster of ``spec`` with :class:`TrialAdaptive` scaling up to ``spec.jobs``;
     the jobs' output goes into ``log_directory``; jobs that cannot be submitted are reported
-    to ``on_failure``."""
-    cluster = make_cluster(spec, log_directory=log_directory, on_failure=on_failure)
+    to ``on_failure``, those submitted to ``on_submitted``."""
+    cluster = make_cluster(spec, log_directory=log_directory, on_failure=on_failure, on_submitted=on_submitted)
     cluster.adapt(Adaptive=TrialAdaptive, minimum_jobs=0, maximum_jobs=spec.jobs,
                   per_job=max(1, trials_per_job(spec, resources)))
     return cluster

@@ -115,3 +115,36 @@ def test_a_batch_job_that_cannot_be_submitted_stops_the_sweep_in_one_line(tmp_pa
     assert "Traceback" not in done.stdout + done.stderr and "UserWarning" not in done.stderr
     rows = run_hpo("export", path)
     assert [line.split(",")[1] for line in rows.stdout.splitlines()[1:]] == ["WAITING"] * 2, rows.stdout
+
+
+def test_a_failed_submission_beside_a_job_still_pending_does_not_stop_the_sweep(tmp_path: Path,
+                                                                                write_scenario: WriteScenario) -> None:
+    """jobs: 2; the first job is submitted (it stays pending, as jobs do in a busy queue), the
+    second is refused for a passing reason: the sweep says so and waits for the pending job,
+    where it stopped at once for want of a job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    count = tmp_path / "submitted"
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/sh\nif mkdir {count} 2>/dev/null; then echo 'Submitted batch job 41'; exit 0; fi\n"
+        "echo 'sbatch: error: Batch job submission failed: Socket timed out' >&2\nexit 1\n")
+    (bin_dir / "scancel").write_text("#!/bin/sh\nexit 0\n")
+    for name in ("sbatch", "scancel"):
+        (bin_dir / name).chmod(0o755)
+    path = write_scenario(tmp_path, resources={"parallel": 2,
+                                               "cluster": {"kind": "slurm", "jobs": 2, "cores": 1, "memory": "1GB"}})
+    env = {**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(12)  # past the 5 s after which trials waiting with no job coming stopped the sweep
+        assert run.poll() is None, run.communicate()
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, out + err
+    assert out.count("hpo: a batch job could not be submitted: sbatch: error: Batch job submission failed: "
+                     "Socket timed out\n") >= 1, out
+    assert "no batch job could be submitted" not in err, err
