@@ -366,7 +366,7 @@ class Sweep:
         try:
             while claimed is not None and not self._stopping.is_set():
                 ahead = books.submit(self._claim) if books else None
-                result = self._execute(slot, claimed)
+                result = self.scheduler.verdict(claimed, self._execute(slot, claimed))
                 self._announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
                     self._settle(claimed, result)
@@ -507,7 +507,7 @@ class Sweep:
             self._running[claim.number] = _Running(claim)
         self.watchdog.start(self._on_fatal)
         try:
-            result = self._execute(self.config.slots[0], claim)
+            result = self.scheduler.verdict(claim, self._execute(self.config.slots[0], claim))
             self._announce(claim, result)
             self._settle(claim, result)
         finally:

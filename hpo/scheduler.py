@@ -90,17 +90,24 @@ def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any
 LOST_LIMIT = 3
 """A configuration whose trial was lost this many times in a row (it kills its worker: out of
 memory, a job's walltime) is recorded FAIL instead of being queued again: nothing loops."""
+LOST_TOO_OFTEN = f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"
+
+
+def lost_verdict(lost_count: int, result: TrialResult) -> TrialResult:
+    """``result`` as it is, or, where it is LOST and its configuration was lost ``lost_count``
+    times in a row before, :data:`LOST_LIMIT` times with it, FAIL (:data:`LOST_TOO_OFTEN`)."""
+    if result.outcome is Outcome.LOST and lost_count + 1 >= LOST_LIMIT:
+        return TrialResult(Outcome.FAIL, duration_s=result.duration_s, reason=LOST_TOO_OFTEN)
+    return result
 
 
 def requeue_lost(store: StudyStore, row: TrialRow, rows: list[TrialRow], lost: TrialResult) -> TrialResult:
     """How to record ``row``'s trial, ``lost``: as it is, its configuration queued again with
-    one more loss counted, or FAIL (``lost 3 times``) once it was lost :data:`LOST_LIMIT` times
-    in a row. Call under the ask lock."""
-    if row.lost_count + 1 >= LOST_LIMIT:
-        return TrialResult(Outcome.FAIL, duration_s=lost.duration_s,
-                           reason=f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)")
-    requeue(store, row, rows, **{ATTR_LOST_COUNT: row.lost_count + 1})
-    return lost
+    one more loss counted, or FAIL (:func:`lost_verdict`). Call under the ask lock."""
+    result = lost_verdict(row.lost_count, lost)
+    if result.outcome is Outcome.LOST:
+        requeue(store, row, rows, **{ATTR_LOST_COUNT: row.lost_count + 1})
+    return result
 
 
 class Scheduler:
@@ -233,7 +240,7 @@ class Scheduler:
         did not fail on its own merits, or failed with retries left. False when another
         worker had already ended it (judged lost)."""
         store = self.store
-        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT)
+        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT) and result.reason != LOST_TOO_OFTEN
         if result.outcome.run_again or retry:
             def section() -> TrialResult:
                 rows = store.rows(store.trials())
@@ -248,6 +255,13 @@ class Scheduler:
 
             result = store.locked(section)
         return store.record(claim.number, result, claim.folder)
+
+    def verdict(self, claim: Claim, result: TrialResult) -> TrialResult:
+        """How :meth:`settle` records ``result`` of ``claim``, as it is told before it is
+        recorded: a LOST one may be FAIL (:func:`lost_verdict`)."""
+        if result.outcome is not Outcome.LOST:
+            return result
+        return lost_verdict(self.store.rows([self.store.trial(claim.number)])[0].lost_count, result)
 
     def holds(self, claim: Claim) -> bool:
         """Whether ``claim`` is still this worker's: its trial runs under the claim's token (not

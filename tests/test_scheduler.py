@@ -268,11 +268,15 @@ def test_a_configuration_its_executor_found_lost_three_times_is_a_fail(tmp_path:
                                                                       write_scenario: WriteScenario) -> None:
     """A Dask trial that kills its worker ends LOST through its executor, not through recovery:
     it was queued again without counting the loss, and ran 60 times in 150 s until stopped."""
-    scheduler = make(tmp_path, write_scenario, trials=1)
+    scheduler = make(tmp_path, write_scenario, trials=1, retry_failed=1)
+    told = []
     for _ in range(LOST_LIMIT):
         lost = claim(scheduler)
-        assert scheduler.settle(lost, TrialResult(Outcome.LOST, duration_s=2.0,
-                                                  reason="lost: its Dask worker tcp://w:1 is gone"))
+        result = scheduler.verdict(lost, TrialResult(Outcome.LOST, duration_s=2.0,
+                                                     reason="lost: its Dask worker tcp://w:1 is gone"))
+        told.append(result.outcome)  # as the sweep announces it, before it is recorded
+        assert scheduler.settle(lost, result)
+    assert told == [Outcome.LOST, Outcome.LOST, Outcome.FAIL]
     with scheduler.store.lock():
         assert scheduler.claim(set()) is None
     rows = scheduler.store.rows()
