@@ -454,18 +454,10 @@ class SchedulerGone(ExecutorUnavailable):
     """The Dask scheduler is gone; ``result`` is how the trial being run ended, as far as the
     sweep can tell (the worker's own result, else INTERRUPTED)."""
 
-    def __init__(self, message: str, result: TrialResult) -> None:
-        super().__init__(message)
-        self.result = result
-
 
 class ClusterBroken(ExecutorUnavailable):
     """No worker will come to run the trials waiting (their batch jobs could not be submitted);
     ``result`` is how the trial ended (INTERRUPTED before it started)."""
-
-    def __init__(self, message: str, result: TrialResult) -> None:
-        super().__init__(message)
-        self.result = result
 
 
 def _amounts(resources: Mapping[str, float]) -> str:
@@ -528,10 +520,10 @@ class _Watch:
             logger.debug("cannot read the workers of %s", self._address, exc_info=True)
             return
         self.heard = time.monotonic()
-        self.workers = info["workers"]
         known, self._scheduler_id = self._scheduler_id, info.get("id")
         if self._silent or known not in (None, self._scheduler_id):
-            self._on_reconnect()
+            self._on_reconnect()  # before the workers are published: a trial they take is heard
+        self.workers = info["workers"]
         if self._silent:
             self._silent = False
             self._say(f"hpo: the Dask scheduler at {self._address} answers again")

@@ -23,7 +23,9 @@ class ExecutorUnavailable(Exception):
     worker wrote); None: it is recorded INTERRUPTED. An INTERRUPTED trial runs again on resume.
     """
 
-    result: TrialResult | None = None
+    def __init__(self, message: str, result: TrialResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class StoreUnavailable(Exception):
