@@ -114,4 +114,4 @@ def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
     unrecorded = (f"hpo: trial 0 could not be recorded INTERRUPTED: that needs the study's ask lock, which the sweep "
                   f"stopped waiting for; it shows RUNNING until the study is resumed, which records it from {first}")
     assert (unrecorded in out.splitlines()) == (waiting == "to record")
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 30

@@ -166,7 +166,8 @@ def test_a_trial_whose_templates_fail_is_recorded_failed_though_its_folder_canno
         disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
     """Trial 1's templates do not render for its values (its own fault: FAIL); the disk, full
     since trial 0, keeps the why out of its folder, and the store records it all the same."""
-    template = FILL.format(mount=disk.mount, before=REPORT, after="{% if trial_number == 1 %}{{ missing }}{% endif %}")
+    template = FILL.format(mount=disk.mount, before=REPORT_LOGGED,
+                           after="{% if trial_number == 1 %}{{ missing }}{% endif %}")
     scenario = _scenario(tmp_path, write_scenario, 2, template)
     workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
     done = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
