@@ -708,9 +708,9 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     from hpo.render import Renderer
 
     ctx = _writing_context(args, existing_study=True)
-    if args.seed is not None and not Renderer(ctx.scenario).sees_trial_seed:
-        raise InputError("--seed: the trial would not see it: no template reads trial_seed and the scenario "
-                         "sets no seed_flag (seed_flag: --seed passes it to a script that takes --seed)")
+    if args.seed is not None and not Renderer(ctx.scenario).sees_trial_seed:  # a script may read params.json
+        print("note: --seed reaches the trial only through params.json: no template reads trial_seed and the "
+              "scenario sets no seed_flag (seed_flag: --seed passes it to a script that takes --seed)", flush=True)
     slots = _plan(ctx, parallel=1)
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()

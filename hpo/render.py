@@ -258,8 +258,8 @@ class Renderer:
 
     @property
     def sees_trial_seed(self) -> bool:
-        """Whether a trial's ``trial_seed`` reaches it: a template reads it, or ``seed_flag``
-        passes it to the command."""
+        """Whether a trial's ``trial_seed`` reaches it other than through ``params.json``: a
+        template reads it, or ``seed_flag`` passes it to the command."""
         return "trial_seed" in self._read or self._scenario.seed_flag is not None
 
     @property
