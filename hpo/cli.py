@@ -162,13 +162,14 @@ class _Signals:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def exit_code(self, note: str = "") -> int | None:
+    def exit_code(self, note: str = "", ended: str | None = None) -> int | None:
         """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), or None; ``note``
-        leads the closing line (where the stop found the sweep, e.g. waiting for the ask lock)."""
+        leads the closing line (where the stop found the sweep, e.g. waiting for the ask lock),
+        ``ended`` says how it left the trials where that is not as usual."""
         if self.signum is None:
             return None
-        print(f"interrupted: {note}; {self._ended}" if note else f"interrupted: {self._ended}",
-              file=sys.stderr, flush=True)
+        ended = ended or self._ended
+        print(f"interrupted: {note}; {ended}" if note else f"interrupted: {ended}", file=sys.stderr, flush=True)
         return 128 + self.signum
 
 
@@ -273,7 +274,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
     finally:
         if executor:
             executor.close()
-    code = signals.exit_code(sweep.stop_note)
+    code = signals.exit_code(sweep.stop_note, sweep.stop_ended)
     return EXIT_OK if code is None else code
 
 
@@ -719,7 +720,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
                              "same command to resume it (or hpo run, which runs it too)")
     with signals.installed():
         row, result = sweep.rerun(args.trial, args.seed)
-    code = signals.exit_code()
+    code = signals.exit_code(sweep.stop_note, sweep.stop_ended)
     if code is not None:
         return code
     from hpo.progress import format_metrics

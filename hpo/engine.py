@@ -226,6 +226,7 @@ class Sweep:
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
         self._lock_wait_ended = False
+        self._unrecorded: list[int] = []  # trials whose end the stop kept from the store (the ask lock)
         self._gone: list[Recovered] = []  # found before the observer came
         self._full = _FullFolders(config.workdir, scenario.resources.store_retry, self._say)
         self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial,
@@ -304,6 +305,20 @@ class Sweep:
             return ""
         holder = ask_lock_holder(self.config.storage)
         return "stopped while waiting for the study's ask lock" + (f", held by {holder}" if holder else "")
+
+    @property
+    def stop_ended(self) -> str | None:
+        """How the stop left the running trials, where some could not be recorded (their end
+        needed the ask lock that the stop gave up waiting for); None where all were."""
+        with self._lock:
+            unrecorded = sorted(self._unrecorded)
+        if not unrecorded:
+            return None
+        trials = ", ".join(map(str, unrecorded))
+        return (f"trial{'s' if len(unrecorded) > 1 else ''} {trials} could not be recorded and show"
+                f"{'' if len(unrecorded) > 1 else 's'} RUNNING until the study is resumed, which records "
+                f"{'them' if len(unrecorded) > 1 else 'it'} from the trial folder and runs it again; other running "
+                "trials were recorded INTERRUPTED and queued again; run the same command to resume")
 
     def _ends_lock_wait(self, error: BaseException) -> bool:
         """Whether ``error`` is a wait for the ask lock that the stop ended: once stopping, a
@@ -509,7 +524,12 @@ class Sweep:
         try:
             result = self.scheduler.verdict(claim, self._execute(self.config.slots[0], claim))
             self._announce(claim, result)
-            self._settle(claim, result)
+            try:
+                self._settle(claim, result)
+            except StoreUnavailable as exc:  # as a sweep's slot would (:meth:`_on_fatal`)
+                if not self._ends_lock_wait(exc):
+                    raise
+                self._lock_wait_ended = True
         finally:
             self.watchdog.stop()
         if self._fatal is not None:
@@ -580,6 +600,8 @@ class Sweep:
                           f"result stays in {claim.folder}")
         except StoreUnavailable as exc:
             if self._ends_lock_wait(exc):
+                with self._lock:
+                    self._unrecorded.append(claim.number)
                 self._say(f"trial {claim.number} could not be recorded {result.outcome}: that needs the study's ask "
                           f"lock, which the sweep stopped waiting for; it shows RUNNING until the study is resumed, "
                           f"which records it from {claim.folder}")

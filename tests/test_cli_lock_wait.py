@@ -108,10 +108,46 @@ def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
     out, err = capsys.readouterr()
     assert code == 128 + sig, err
     pid = holder[0]
+    ended = ENDED if waiting == "to claim" else (
+        "trial 0 could not be recorded and shows RUNNING until the study is resumed, which records it from the trial "
+        "folder and runs it again; other running trials were recorded INTERRUPTED and queued again; run the same "
+        "command to resume")
     assert err.splitlines()[-1] == (
         f"interrupted: stopped while waiting for the study's ask lock, held by process {pid} on this machine, which is "
-        f"stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` resumes it; {ENDED}")
+        f"stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` resumes it; {ended}")
     unrecorded = (f"hpo: trial 0 could not be recorded INTERRUPTED: that needs the study's ask lock, which the sweep "
                   f"stopped waiting for; it shows RUNNING until the study is resumed, which records it from {first}")
     assert (unrecorded in out.splitlines()) == (waiting == "to record")
     assert time.monotonic() - began < 30
+
+
+def test_a_stop_that_ends_a_reruns_wait_for_the_ask_lock_exits_as_interrupted(
+        tmp_path: Path, write_scenario: WriteScenario, holders: Callable[[str], int],
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """hpo rerun met the same wait when recording its interrupted trial, and exited 1 as if
+    the store had failed."""
+    monkeypatch.setattr("hpo.engine.STOPPING_STORE_RETRY_S", 0.5)
+    monkeypatch.setenv("HPO_GPUS", "")
+    path = write_scenario(tmp_path, template_text=TRIAL.replace("{{ nap }}", "30 if {{ trial_number }} else 0"),
+                          drop=["parameters.opt"], search={"method": "tpe", "trials": 1}, objective={"held_out": []})
+    workdir = tmp_path / "w"
+    assert cli.main(["run", str(path), "--workdir", str(workdir)]) == 0
+    url = storage_url(load_scenario(path), workdir=workdir)
+    rerun = workdir / "trial-0001"
+
+    def interrupt() -> None:
+        wait_for(lambda: (rerun / "began").exists())
+        holders(url)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signaller = threading.Thread(target=interrupt)
+    signaller.start()
+    code = cli.main(["rerun", str(path), "0", "--workdir", str(workdir)])
+    signaller.join()
+    _, err = capsys.readouterr()
+    assert code == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1].startswith("interrupted: stopped while waiting for the study's ask lock, held by ")
+    assert err.splitlines()[-1].endswith("; trial 1 could not be recorded and shows RUNNING until the study is resumed, "
+                                         "which records it from the trial folder and runs it again; other running "
+                                         "trials were recorded INTERRUPTED and queued again; run the same command to "
+                                         "resume")
