@@ -161,6 +161,7 @@ class _FullFolders:
         self._say = say
         self._lock = threading.Lock()
         self._since: float | None = None
+        self._waiting: set[int] = set()  # trials whose files were refused, waiting for room
 
     def failed(self, full: FolderFull) -> float:
         """A write failed with ``full``: the outage starts (said) unless it is under way;
@@ -175,17 +176,30 @@ class _FullFolders:
                   f"{self._deadline_s:g} s")
         return now
 
-    def written(self) -> None:
-        """A trial's files were written: the outage, if any, ends (said)."""
+    def written(self, number: int) -> None:
+        """Trial ``number``'s files were written: the outage, if any, ends (said) where that
+        trial waited for room, or no trial waits (as :class:`hpo.storage.Retrying` ends the
+        store's: a small write that goes through beside a larger one refused ends nothing)."""
         with self._lock:
+            if number not in self._waiting and self._waiting:
+                return
+            self._waiting.discard(number)
             since, self._since = self._since, None
         if since is not None:
             self._say(f"the trial folders in {self._workdir} can be written again after "
                       f"{time.monotonic() - since:.0f} s")
 
-    def wait(self, full: FolderFull, pause_s: float, stopping: threading.Event) -> None:
-        """Wait ``pause_s`` (less if ``stopping`` is set) before the write that raised ``full``
-        is tried again; :class:`ExecutorUnavailable` once the outage has lasted ``deadline_s``."""
+    def done(self, number: int) -> None:
+        """Trial ``number`` waits for room no more (it ran, or its sweep stops)."""
+        with self._lock:
+            self._waiting.discard(number)
+
+    def wait(self, number: int, full: FolderFull, pause_s: float, stopping: threading.Event) -> None:
+        """Wait ``pause_s`` (less if ``stopping`` is set) before trial ``number``'s write that
+        raised ``full`` is tried again; :class:`ExecutorUnavailable` once the outage has lasted
+        ``deadline_s``."""
+        with self._lock:
+            self._waiting.add(number)
         since = self.failed(full)
         left = since + self._deadline_s - time.monotonic()
         if left <= 0:
@@ -465,6 +479,13 @@ class Sweep:
                 self._full.failed(full)
                 return result
         control = _Control(self, claim, slot)
+        try:
+            return self._run_waiting_for_room(claim, spec, control, start)
+        finally:
+            self._full.done(claim.number)
+
+    def _run_waiting_for_room(self, claim: Claim, spec: TrialSpec, control: _Control, start: float) -> TrialResult:
+        """Run ``claim`` on its executor, its files tried again while a full disk refuses them."""
         pause = FIRST_PAUSE_S
         while True:
             try:
@@ -484,7 +505,6 @@ class Sweep:
                     continue
                 return full.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
                                                   reason=f"interrupted: {full}; it runs again")
-            self._full.written()
             return result
 
     def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
@@ -495,7 +515,7 @@ class Sweep:
             self._full.failed(full)
             return False
         try:
-            self._full.wait(full, pause_s, self._stopping)
+            self._full.wait(claim.number, full, pause_s, self._stopping)
         except ExecutorUnavailable as exc:
             self._on_fatal(exc)
         return not self._stopping.is_set()
@@ -656,7 +676,7 @@ class _Control(TrialControl):
         running = self._running()
         if running is not None:
             running.started = True
-        self._sweep._full.written()  # its files were
+        self._sweep._full.written(claim.number)  # its files were
         self._unannounced = TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
                                        claim.folder, claim.repeat_of)
         fault_point("started", claim.number)

@@ -9,11 +9,15 @@ import io
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from conftest import Disk, cli_env, run_hpo
+
+from hpo.engine import _FullFolders
+from hpo.render import FolderFull
 
 WriteScenario = Callable[..., Path]
 
@@ -33,6 +37,7 @@ if {{{{ trial_number }}}} == 0:  # the first trial fills the disk, as a runaway 
 REPORT = 'print(f"val_error={x / 2}")'
 # the report, then a wait until hpo has logged it: the disk filled after it cannot refuse its line
 REPORT_LOGGED = REPORT[:-1] + """, flush=True)
+import threading
 import time
 while "val_error" not in open("trial.log").read():
     time.sleep(0.01)"""
@@ -175,3 +180,21 @@ def test_a_trial_whose_templates_fail_is_recorded_failed_though_its_folder_canno
     assert done.stdout.count("hpo: cannot write") == 1, done.stdout
     rows = _rows(scenario, "--workdir", workdir, "--storage", store)
     assert rows[0] == ("0", "COMPLETE", "") and rows[1][:2] == ("1", "FAIL") and "'missing' is undefined" in rows[1][2]
+
+
+def test_the_outage_ends_when_a_trial_that_waited_for_room_is_written_not_when_another_is() -> None:
+    """On a nearly full disk a small trial's files go through beside a larger one's refused:
+    that ended the outage, and the next refusal began another (lines flapped, the deadline
+    started over)."""
+    said: list[str] = []
+    folders = _FullFolders(Path("/w"), 60, said.append)
+    stopping = threading.Event()
+    stopping.set()  # no pause
+    folders.wait(1, FolderFull("cannot write /w/trial-0001/train.py: No space left on device"), 0.2, stopping)
+    folders.written(2)
+    assert len(said) == 1 and said[0].startswith("cannot write /w/trial-0001/train.py")
+    folders.written(1)
+    assert len(said) == 2 and said[1].startswith("the trial folders in /w can be written again after ")
+    folders.failed(FolderFull("cannot write /w/trial-0003/trial.log: No space left on device"))
+    folders.written(4)  # no trial waits: a trial written ends it
+    assert len(said) == 4
