@@ -58,7 +58,7 @@ from distributed.comm import CommClosedError
 from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
-from hpo.executor import CUT_SHORT, TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
+from hpo.executor import CUT_SHORT, HeldStart, TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, write_files
@@ -355,39 +355,29 @@ class _Courier:
 
 class _WorkerControl(TrialControl):
     """The control on the worker: events out, the courier's requests in. It never asks to
-    prune: the sweep judges each value and asks for the end as for any other.
-
-    :meth:`started` comes before the trial's process is started: the ``started`` event goes
-    out once the executor asks anything after it (:func:`hpo.launch.run_process` asks
-    :meth:`end_request` as soon as the process runs, never for one that could not start), so
-    the sweep announces only a process that really runs, as on its own machine."""
+    prune: the sweep judges each value and asks for the end as for any other. The ``started``
+    event goes out once the trial's process runs (:class:`hpo.executor.HeldStart`), so the
+    sweep announces only a process that really runs, as on its own machine."""
 
     def __init__(self, courier: _Courier, place: Mapping[str, Any]) -> None:
         self._courier = courier
         self._place = place
-        self._unsent: dict[str, Any] | None = None
-        self._sending = threading.Lock()
+        self._start = HeldStart(lambda start: courier.send("started", **start))
 
     def started(self, gpus: Sequence[int]) -> None:
-        self._unsent = {"gpus": list(gpus), **self._place}
-
-    def _send_start(self) -> None:
-        with self._sending:
-            start, self._unsent = self._unsent, None
-            if start is not None:
-                self._courier.send("started", **start)
+        self._start.hold({"gpus": list(gpus), **self._place})
 
     def intermediate(self, step: int, value: float) -> bool:
-        self._send_start()
+        self._start.release()
         self._courier.send("value", step=step, value=value)
         return False
 
     def record(self, step: int, value: float) -> None:
-        self._send_start()
+        self._start.release()
         self._courier.send("value", step=step, value=value, judged=False)
 
     def end_request(self) -> str | None:
-        self._send_start()
+        self._start.release()
         return self._courier.end_request()
 
 

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
-from hpo.executor import Executor, LocalExecutor, TrialControl, TrialSpec, save_result
+from hpo.executor import Executor, HeldStart, LocalExecutor, TrialControl, TrialSpec, save_result
 from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
@@ -644,13 +644,8 @@ def _folder_full(exc: Exception, folder: Path) -> FolderFull | None:
 
 
 class _Control(TrialControl):
-    """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`).
-
-    :meth:`started` comes before the trial's process is started, so the observer hears of the
-    start only once the executor asks the sweep anything after it (:func:`hpo.launch.run_process`
-    asks :meth:`end_request` as soon as the process runs, never for one that could not start):
-    a trial whose process never ran is announced by its end alone, which says why.
-    """
+    """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`); the
+    observer hears of its start once its process runs (:class:`hpo.executor.HeldStart`)."""
 
     def __init__(self, sweep: Sweep, claim: Claim, slot: Slot) -> None:
         self._sweep = sweep
@@ -658,8 +653,7 @@ class _Control(TrialControl):
         self._slot = slot
         self._pruning = sweep.config.scenario.search.pruner != "none" and claim.prunable
         self._pruned = False
-        self._unannounced: TrialStart | None = None
-        self._announcing = threading.Lock()
+        self._start = HeldStart(self._announce)
 
     def _running(self) -> _Running | None:
         with self._sweep._lock:
@@ -677,21 +671,18 @@ class _Control(TrialControl):
         if running is not None:
             running.started = True
         self._sweep._full.written(claim.number)  # its files were
-        self._unannounced = TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
-                                       claim.folder, claim.repeat_of)
+        self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
+                                    claim.folder, claim.repeat_of))
         fault_point("started", claim.number)
 
-    def _announce_start(self) -> None:
-        """Tell the observer of the start, once: the trial's process runs (see the class docstring)."""
-        with self._announcing:
-            start, self._unannounced = self._unannounced, None
-            if start is not None and self._sweep._observer:
-                self._sweep._observer.started(start)
+    def _announce(self, start: TrialStart) -> None:
+        if self._sweep._observer:
+            self._sweep._observer.started(start)
 
     def intermediate(self, step: int, value: float) -> bool:
         """Report ``value`` at ``step`` and ask the pruner; once it said prune, report nothing
         more and answer True."""
-        self._announce_start()
+        self._start.release()
         self.record(step, value)
         self._pruned = self._pruned or (self._pruning and bool(self._sweep.store.call(self._claim.trial.should_prune)))
         return self._pruned
@@ -699,12 +690,12 @@ class _Control(TrialControl):
     def record(self, step: int, value: float) -> None:
         """Report ``value`` at ``step`` (a step's first value is kept, as Optuna keeps it)
         without asking the pruner; nothing once it said prune."""
-        self._announce_start()
+        self._start.release()
         if not self._pruned:
             self._sweep.store.call(self._claim.trial.report, value, step)
 
     def end_request(self) -> str | None:
-        self._announce_start()
+        self._start.release()
         if self._sweep._stopping.is_set():
             return "interrupted"
         running = self._running()

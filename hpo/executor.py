@@ -31,6 +31,7 @@ import json
 import math
 import re
 import signal
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +81,30 @@ class TrialSpec:
     token: str
     timeout: float | None
     objective: Objective
+
+
+class HeldStart:
+    """A trial's start, held from :meth:`TrialControl.started` (which comes before its process
+    is started) until the process is known to run, then told once: :meth:`release` is called
+    from whatever the executor asks after the start (:func:`hpo.launch.run_process` asks
+    ``end_request`` as soon as the process runs, never for one that could not start). A
+    process that never ran is told of by its end alone, which says why."""
+
+    def __init__(self, tell: Callable[[Any], None]) -> None:
+        self._tell = tell
+        self._held: Any = None
+        self._lock = threading.Lock()
+
+    def hold(self, start: Any) -> None:
+        """Hold ``start`` (what ``tell`` is given) until :meth:`release`."""
+        self._held = start
+
+    def release(self) -> None:
+        """Tell the start held, if one is (once)."""
+        with self._lock:
+            start, self._held = self._held, None
+            if start is not None:
+                self._tell(start)
 
 
 @runtime_checkable
