@@ -70,21 +70,27 @@ def test_the_ask_lock_is_taken_and_released_on_a_full_disk(disk: Disk) -> None:
         pass
 
 
+def _run_freed_when_said(path: Path, url: str, disk: Disk, cause: str) -> str:
+    """Run ``hpo run`` on the full ``disk``: its first line must say that the store cannot be
+    written for ``cause``; then free the disk, and return all it printed once it ended (exit 0)."""
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert run.stdout is not None
+    first = run.stdout.readline()
+    assert first == (f"hpo: the store {url} cannot be written: {cause} (0 bytes free on {disk.mount}); "
+                     "free space there: retrying for up to 60 s\n"), first + run.stdout.read()
+    disk.free()
+    out = first + run.stdout.read()  # through readline's buffer, which communicate() would skip
+    assert run.wait(timeout=60) == 0, out
+    return out
+
+
 def test_hpo_run_on_a_full_disk_waits_for_space_then_runs_the_sweep(
         disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
     path = write_scenario(tmp_path, resources={"store_retry": 60})
     url = f"sqlite:///{disk.mount}/study.db"
     disk.fill()
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert run.stdout is not None
-    first = run.stdout.readline()
-    assert first == (f"hpo: the store {url} cannot be written: database or disk is full (0 bytes free on "
-                     f"{disk.mount}); free space there: retrying for up to 60 s\n")
-    disk.free()
-    out = first + run.stdout.read()  # through readline's buffer, which communicate() would skip
-    run.wait(timeout=60)
-    assert run.returncode == 0, out
+    out = _run_freed_when_said(path, url, disk, "database or disk is full")
     assert re.search(rf"^hpo: the store {re.escape(url)} can be written again after \d+ s$", out, re.MULTILINE), out
     assert out.count("the store") == 2 and "2/2 trials done: 2 complete" in out, out
 
@@ -114,13 +120,5 @@ def test_a_study_resumed_on_a_full_disk_waits_for_space_instead_of_calling_its_s
                            capture_output=True, text=True, timeout=60, check=False)
     assert first.returncode == 0, first.stderr
     disk.fill()
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--storage", url], env=cli_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert run.stdout is not None
-    said = run.stdout.readline()
-    assert said == (f"hpo: the store {url} cannot be written: disk I/O error (0 bytes free on {disk.mount}); "
-                    "free space there: retrying for up to 60 s\n"), said + run.stdout.read()
-    disk.free()
-    out = said + run.stdout.read()
-    assert run.wait(timeout=60) == 0, out
+    out = _run_freed_when_said(path, url, disk, "disk I/O error")
     assert "1/1 trials done: 1 complete." in out, out
