@@ -52,7 +52,16 @@ from hpo.faults import fault_point
 from hpo.launch import Slot, build_argv, check_command, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import Recovered, queued_again, recover_stale
-from hpo.render import LOG_FILE, PARAMS_FILE, FolderFull, Renderer, folder_writes, full_disk, trial_folder, trial_seed
+from hpo.render import (
+    LOG_FILE,
+    PARAMS_FILE,
+    FolderFull,
+    Renderer,
+    folder_full,
+    folder_writes,
+    trial_folder,
+    trial_seed,
+)
 from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
 from hpo.scenario import Scenario
@@ -639,8 +648,7 @@ def _folder_full(exc: Exception, folder: Path) -> FolderFull | None:
     if isinstance(exc, FolderFull):
         return exc
     filename = getattr(exc, "filename", None)
-    line = full_disk(Path(filename) if filename else folder, exc)
-    return None if line is None else FolderFull(line)
+    return folder_full(exc, Path(filename) if filename else folder)
 
 
 class _Control(TrialControl):

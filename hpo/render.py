@@ -59,17 +59,24 @@ def full_disk(path: Path, exc: BaseException) -> str | None:
     return f"cannot write {path}: {why} ({free_space(path)})"
 
 
+def folder_full(exc: BaseException, path: Path, result: TrialResult | None = None) -> FolderFull | None:
+    """``exc``, an error writing ``path``, as :class:`FolderFull` with ``result`` where it
+    says that the disk is full (:func:`full_disk`), else None."""
+    line = full_disk(path, exc)
+    return None if line is None else FolderFull(line, result)
+
+
 @contextlib.contextmanager
 def folder_writes(path: Path, result: TrialResult | None = None) -> Iterator[None]:
     """Run the block, which writes ``path``; an error that says its disk is full is raised
-    as :class:`FolderFull` with ``result``, any other as it is."""
+    as :class:`FolderFull` with ``result`` (:func:`folder_full`), any other as it is."""
     try:
         yield
     except OSError as exc:
-        line = full_disk(path, exc)
-        if line is None:
+        full = folder_full(exc, path, result)
+        if full is None:
             raise
-        raise FolderFull(line, result) from None
+        raise full from None
 
 
 def trial_folder(workdir: Path, number: int) -> Path:
@@ -232,7 +239,6 @@ class Renderer:
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
-        self._read: set[str] = set()
         _check_data_dir(scenario)
         entries = _entries(scenario.template)
         names: set[str] = set()
@@ -247,7 +253,6 @@ class Renderer:
                 except UnicodeDecodeError:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
-                self._read |= _variables(text, scenario.syntax)
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 
@@ -259,8 +264,11 @@ class Renderer:
     @property
     def sees_trial_seed(self) -> bool:
         """Whether a trial's ``trial_seed`` reaches it other than through ``params.json``: a
-        template reads it, or ``seed_flag`` passes it to the command."""
-        return "trial_seed" in self._read or self._scenario.seed_flag is not None
+        template reads it, or ``seed_flag`` passes it to the command (the templates are read
+        again: only ``hpo rerun --seed`` asks)."""
+        return self._scenario.seed_flag is not None or any(
+            "trial_seed" in _variables(template.read_text(), self._scenario.syntax)
+            for _, render, template in self._renderers if render is not None)
 
     @property
     def names(self) -> tuple[str, ...]:
