@@ -555,10 +555,8 @@ class Sweep:
             self._announce(claim, result)
             try:
                 self._settle(claim, result)
-            except StoreUnavailable as exc:  # as a sweep's slot would (:meth:`_on_fatal`)
-                if not self._ends_lock_wait(exc):
-                    raise
-                self._lock_wait_ended = True
+            except StoreUnavailable as exc:  # as a sweep's slot's: raised below unless the stop ended a lock wait
+                self._on_fatal(exc)
         finally:
             self.watchdog.stop()
         if self._fatal is not None:
@@ -689,8 +687,7 @@ class _Control(TrialControl):
 
     def intermediate(self, step: int, value: float) -> bool:
         """Report ``value`` at ``step`` and ask the pruner; once it said prune, report nothing
-        more and answer True."""
-        self._start.release()
+        more and answer True (:meth:`record` tells the start held)."""
         self.record(step, value)
         self._pruned = self._pruned or (self._pruning and bool(self._sweep.store.call(self._claim.trial.should_prune)))
         return self._pruned
