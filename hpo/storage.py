@@ -362,7 +362,7 @@ def ask_lock(url: str, on_wait: Callable[[str], None] | None = None,
             with _server_lock(url) as held:
                 yield held
             return
-        lock_path = local.with_name(local.name + ".hpo-lock")
+        lock_path = _lock_path(local)
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         with lock_path.open("a+") as handle:
             _take_file_lock(handle, lock_path, on_wait, give_up)
@@ -370,6 +370,11 @@ def ask_lock(url: str, on_wait: Callable[[str], None] | None = None,
                 yield lambda: True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_path(store: Path) -> Path:
+    """The lock file of the study store file ``store``, beside it."""
+    return store.with_name(store.name + ".hpo-lock")
 
 
 def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None] | None,
@@ -419,7 +424,7 @@ def ask_lock_holder(url: str) -> str:
     if local is None:
         return ""
     try:
-        return _holder(local.with_name(local.name + ".hpo-lock"))
+        return _holder(_lock_path(local))
     except OSError:
         return ""
 
