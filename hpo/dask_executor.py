@@ -58,7 +58,17 @@ from distributed.comm import CommClosedError
 from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
-from hpo.executor import CUT_SHORT, HeldStart, TrialControl, TrialSpec, judge, run_trial, save_result, saved_result
+from hpo.executor import (
+    CUT_SHORT,
+    HeldStart,
+    TrialControl,
+    TrialSpec,
+    judge,
+    not_started,
+    run_trial,
+    save_result,
+    saved_result,
+)
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, write_files
@@ -241,11 +251,6 @@ def _first_start(client: Client, token: str) -> bool:
     return True
 
 
-def _not_started(spec: TrialSpec, request: str) -> TrialResult:
-    """How ``spec`` ends when ``request`` (``interrupted``, ``stopped``) came before it started."""
-    return judge(Metrics(), spec.objective, 0, request, (), 0.0, spec.timeout)
-
-
 def _trial_folder(spec: TrialSpec, worker: Worker, shared: bool | None) -> tuple[Path, bool]:
     """Where the trial runs on this worker, and whether that is its own folder."""
     if shared is None:
@@ -413,7 +418,7 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
         stopping = Event(_stopping_event(options.topic), client=client).is_set()
         asked = courier.end_request() or ("interrupted" if stopping else None)
         if asked is not None:  # the sweep stops, or the worker closes, before it started: it does not start
-            return TaskReport(_not_started(spec, asked), worker.address, gpus, shared, started=False)
+            return TaskReport(not_started(spec, asked), worker.address, gpus, shared, started=False)
         slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
                        share=demand.share if gpus else 1)
         if not shared:  # in the trial's own folder, the sweep has written them already
@@ -667,7 +672,7 @@ class DaskExecutor:
         write_files(spec.folder, spec.files)
         asked = control.end_request()
         if asked is not None:  # stopped while it was claimed ahead: as on this machine, it never starts
-            return save_result(spec.folder, spec.number, _not_started(spec, asked))
+            return save_result(spec.folder, spec.number, not_started(spec, asked))
         (spec.folder / RESULT_FILE).unlink(missing_ok=True)  # a result.json here is this start's
         (spec.folder / MARKER).write_text(spec.token)
         events: queue.Queue[Any] = queue.Queue()
@@ -851,11 +856,11 @@ class _Following:
         if watch.gone:
             raise self._gone(watch.gone)
         if self._asked is not None and not self._started:  # still queued in Dask: it never starts
-            self._cancel(_not_started(self._spec, self._asked))
+            self._cancel(not_started(self._spec, self._asked))
             return
         if self._executor.broken and not self._started:
             self._future.cancel()
-            raise ClusterBroken(self._executor.broken, _not_started(self._spec, "interrupted"))
+            raise ClusterBroken(self._executor.broken, not_started(self._spec, "interrupted"))
         now = time.monotonic()
         if self._worker is not None and self._worker in watch.workers:
             self._seen_at = max(self._seen_at, watch.heard)

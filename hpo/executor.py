@@ -172,7 +172,7 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     objective = spec.objective
     asked = control.end_request()
     if asked is not None:
-        return save_result(folder, spec.number, judge(Metrics(), objective, 0, asked, (), 0.0, spec.timeout))
+        return save_result(folder, spec.number, not_started(spec, asked))
     parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     pruned_at: int | None = None
@@ -256,6 +256,12 @@ class _Watch:
 def _with_line(cause: str, tail: Sequence[str], or_last_line: bool = False) -> str:
     line = last_error_line(tail, or_last_line=or_last_line)
     return f"{cause}: {line}" if line else cause
+
+
+def not_started(spec: TrialSpec, request: str) -> TrialResult:
+    """How ``spec`` ends when ``request`` (``interrupted``, ``stopped``) came before it started:
+    so ended, after 0 s."""
+    return judge(Metrics(), spec.objective, 0, request, (), 0.0, spec.timeout)
 
 
 def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str | None,
