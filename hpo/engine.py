@@ -24,12 +24,13 @@ A trial folder whose disk is full (:class:`~hpo.render.FolderFull`) is no fault 
 trial, and is waited out as the store's full disk is (:class:`hpo.storage.Retrying`): said in
 one line naming the file and the room left, and in one more once a folder is written again.
 A trial whose files cannot be written keeps its claim and is tried again, with backoff; one
-whose log cannot be written is ended at once and recorded INTERRUPTED (it runs again); one
-whose ``result.json`` cannot be written is recorded as it ended (that file is the store's
-backup). Waiting, not stopping at once, lets the trials of other slots run on while the
-user frees space, as they do through a store outage; a disk still full after
-``resources.store_retry`` seconds stops the sweep with one line (its running trials
-INTERRUPTED), and ``hpo run`` resumes it.
+whose log cannot be written is ended at once and recorded INTERRUPTED (it runs again, but
+the third time in a row that its files so fill the disk it is recorded FAIL, as a configuration
+lost that often is: :data:`hpo.scheduler.RUN_AGAIN_LIMIT`); one whose ``result.json`` cannot be
+written is recorded as it ended (that file is the store's backup). Waiting, not stopping at
+once, lets the trials of other slots run on while the user frees space, as they do through a
+store outage; a disk still full after ``resources.store_retry`` seconds stops the sweep with
+one line (its running trials INTERRUPTED), and ``hpo run`` resumes it.
 """
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ class _FullFolders:
         self._say = say
         self._lock = threading.Lock()
         self._since: float | None = None
+        self._where: str | None = None  # the folders of the outage in words, where not this machine's
         self._waiting: set[int] = set()  # trials whose files were refused, waiting for room
 
     def failed(self, full: FolderFull) -> float:
@@ -179,6 +181,7 @@ class _FullFolders:
             since = self._since
             if since is None:
                 self._since = now = time.monotonic()
+                self._where = full.where
         if since is not None:
             return since
         self._say(f"{full}; free space there and the sweep goes on: trials wait for room for up to "
@@ -195,7 +198,7 @@ class _FullFolders:
             self._waiting.discard(number)
             since, self._since = self._since, None
         if since is not None:
-            self._say(f"the trial folders in {self._workdir} can be written again after "
+            self._say(f"{self._where or f'the trial folders in {self._workdir}'} can be written again after "
                       f"{time.monotonic() - since:.0f} s")
 
     def done(self, number: int) -> None:
@@ -218,13 +221,15 @@ class _FullFolders:
 
 
 class _Running:
-    """A trial this worker claimed: started or not, and why it should end early, if it should."""
+    """A trial this worker claimed: started or not, why it should end early, if it should, and
+    the full disk that ended it, if one did (:meth:`Sweep._waited_for_room`)."""
 
     def __init__(self, claim: Claim) -> None:
         self.claim = claim
         self.started = False
         self.end_request: str | None = None
         self.ended_elsewhere = False
+        self.filled_disk: FolderFull | None = None
 
 
 class Sweep:
@@ -404,7 +409,7 @@ class Sweep:
         try:
             while claimed is not None and not self._stopping.is_set():
                 ahead = books.submit(self._claim) if books else None
-                result = self.scheduler.verdict(claimed, self._execute(slot, claimed))
+                result = self._verdict(claimed, self._execute(slot, claimed))
                 self._announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
                     self._settle(claimed, result)
@@ -519,9 +524,17 @@ class Sweep:
     def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
         """Whether ``claim`` is to be run again after ``full``: its files could not be written
         (it never started) and its slot waited ``pause_s`` for room. False where it started or
-        ended (the outage is noted), or once the sweep stops, the wait's deadline included."""
-        if full.result is not None or not self._never_started(claim, None):
+        ended (the outage is noted, and so is ``full`` as the end of a trial that started, unless it
+        ended otherwise or the sweep stops: :meth:`_verdict`), or once the sweep stops, the wait's
+        deadline included."""
+        started = not self._never_started(claim, None)
+        if full.result is not None or started:
             self._full.failed(full)
+            ended_by_it = full.result is None or full.result.outcome is Outcome.INTERRUPTED
+            with self._lock:
+                running = self._running.get(claim.number)
+                if started and ended_by_it and running is not None and not self._stopping.is_set():
+                    running.filled_disk = full
             return False
         try:
             self._full.wait(claim.number, full, pause_s, self._stopping)
@@ -551,7 +564,7 @@ class Sweep:
             self._running[claim.number] = _Running(claim)
         self.watchdog.start(self._on_fatal)
         try:
-            result = self.scheduler.verdict(claim, self._execute(self.config.slots[0], claim))
+            result = self._verdict(claim, self._execute(self.config.slots[0], claim))
             self._announce(claim, result)
             try:
                 self._settle(claim, result)
@@ -562,6 +575,13 @@ class Sweep:
         if self._fatal is not None:
             raise self._fatal
         return store.rows([store.trial(claim.number)])[0], result
+
+    def _verdict(self, claim: Claim, result: TrialResult) -> TrialResult:
+        """How :meth:`_settle` records ``result`` of ``claim`` (:meth:`Scheduler.verdict`, told
+        of the full disk that ended it, if one did: :meth:`_waited_for_room`)."""
+        with self._lock:
+            running = self._running.get(claim.number)
+        return self.scheduler.verdict(claim, result, None if running is None else running.filled_disk)
 
     def _never_started(self, claim: Claim, result: TrialResult | None) -> bool:
         """Whether ``claim`` never started: its executor did not start it, and ``result``, if
@@ -620,8 +640,9 @@ class Sweep:
             return
         with self._lock:
             running = self._running.get(claim.number)
+        filled = None if running is None else running.filled_disk
         try:
-            if (running is None or not running.ended_elsewhere) and not self.scheduler.settle(claim, result):
+            if (running is None or not running.ended_elsewhere) and not self.scheduler.settle(claim, result, filled):
                 self._say(f"trial {claim.number} was judged lost by another worker just before its "
                           f"{result.outcome} could be recorded: the study keeps that worker's record; this "
                           f"result stays in {claim.folder}")

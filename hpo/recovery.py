@@ -9,8 +9,8 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 * a result its folder holds (``result.json``: the store was down when it ended) is recorded;
 * a claim that never started goes back to the queue (WAITING);
 * otherwise it is recorded LOST and its configuration queued again, unless it was lost
-  :data:`hpo.scheduler.LOST_LIMIT` times in a row: then it is FAIL with reason ``lost 3
-  times`` (:func:`hpo.scheduler.requeue_lost`, as for a trial its executor found lost). Either
+  :data:`hpo.scheduler.RUN_AGAIN_LIMIT` times in a row: then it is FAIL with reason ``lost 3
+  times`` (:func:`hpo.scheduler.requeue_or_fail`, as for a trial its executor found lost). Either
   way its duration is what is known of its run (:func:`ran_s`).
 
 :func:`recover_stale` returns a :class:`Recovered` for each, so the worker can say so.
@@ -31,7 +31,7 @@ from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import trial_folder
 from hpo.rows import TrialRow
-from hpo.scheduler import HOST, requeue, requeue_lost
+from hpo.scheduler import HOST, requeue_or_fail
 from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
@@ -163,13 +163,11 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
     result it recorded (None: back to the queue)."""
     saved = saved_result(folder, row.number)
     if saved is not None:
-        if saved.outcome is Outcome.LOST:  # its Dask worker found the trial cut off
-            saved = requeue_lost(store, row, rows, saved)
-        elif saved.outcome.run_again:
-            requeue(store, row, rows)
+        if saved.outcome.run_again:  # LOST where its Dask worker found the trial cut off
+            saved = requeue_or_fail(store, row, rows, saved)
         return store.end_other(row.number, saved, folder), saved
     if SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
         return store.back_to_waiting(row.number), None
-    result = requeue_lost(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
-                                                        reason="lost: its worker stopped"))
+    result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
+                                                           reason="lost: its worker stopped"))
     return store.end_other(row.number, result, folder), result

@@ -43,11 +43,13 @@ class FolderFull(Exception):
     """A file of a trial folder could not be written because its disk is full: the message
     is :func:`full_disk`'s line. ``result`` is how the trial ended where it had ended (its
     ``result.json`` could not be written, or its log: then INTERRUPTED), else None (it never
-    started). The sweep records ``result`` all the same and waits for room (:class:`hpo.engine.Sweep`)."""
+    started). The sweep records ``result`` all the same and waits for room (:class:`hpo.engine.Sweep`).
+    ``where``: the folders in words where they are not this machine's (a Dask worker's disk)."""
 
-    def __init__(self, message: str, result: TrialResult | None = None) -> None:
+    def __init__(self, message: str, result: TrialResult | None = None, where: str | None = None) -> None:
         super().__init__(message)
         self.result = result
+        self.where = where
 
 
 def full_disk(path: Path, exc: BaseException) -> str | None:

@@ -23,7 +23,9 @@ class TrialRow:
 
     ``params`` include the scenario's constants; ``slot``/``gpus`` say where a running
     trial runs; ``requeue_of``, ``retry_of`` and ``rerun_of`` name the trial whose
-    configuration this one runs again (lost or interrupted, failed and retried, rerun).
+    configuration this one runs again (lost or interrupted, failed and retried, rerun);
+    ``lost_count``, ``disk_full_count`` and ``retries`` count how often its configuration was
+    lost, filled the disk and failed before (:data:`hpo.scheduler.RUN_AGAIN_LIMIT`).
     """
 
     number: int
@@ -41,6 +43,7 @@ class TrialRow:
     rerun_of: int | None = None
     design_index: int | None = None
     lost_count: int = 0
+    disk_full_count: int = 0
     retries: int = 0
 
     @property

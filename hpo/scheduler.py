@@ -31,11 +31,12 @@ from hpo import space
 from hpo.errors import InputError
 from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import trial_folder, trial_seed
+from hpo.render import FolderFull, trial_folder, trial_seed
 from hpo.rows import TrialRow, budget_used, repeat_of, standing
 from hpo.storage import HOST
 from hpo.store import (
     ATTR_DESIGN_INDEX,
+    ATTR_DISK_FULL_COUNT,
     ATTR_LOST_COUNT,
     ATTR_REQUEUE_OF,
     ATTR_RERUN_OF,
@@ -73,12 +74,13 @@ class Claim:
 def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any) -> bool:
     """Queue ``row``'s configuration again (once: False if a copy of it exists already).
 
-    The copy keeps the design index and rerun mark and records ``requeue_of`` (or the
-    ``attrs`` given, e.g. ``retry_of``). Call under the ask lock.
+    The copy keeps the design index, rerun mark and counts (losses, disks filled, retries) and
+    records ``requeue_of`` (or the ``attrs`` given, e.g. ``retry_of``). Call under the ask lock.
     """
     if any(row.number in (r.requeue_of, r.retry_of) for r in rows):
         return False
-    copy = {ATTR_REQUEUE_OF: row.number, ATTR_LOST_COUNT: row.lost_count, ATTR_RETRIES: row.retries}
+    copy = {ATTR_REQUEUE_OF: row.number, ATTR_LOST_COUNT: row.lost_count, ATTR_DISK_FULL_COUNT: row.disk_full_count,
+            ATTR_RETRIES: row.retries}
     for name, value in ((ATTR_DESIGN_INDEX, row.design_index), (ATTR_RERUN_OF, row.rerun_of)):
         if value is not None:
             copy[name] = value
@@ -87,27 +89,42 @@ def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any
     return True
 
 
-LOST_LIMIT = 3
-"""A configuration whose trial was lost this many times in a row (it kills its worker: out of
-memory, a job's walltime) is recorded FAIL instead of being queued again: nothing loops."""
-LOST_TOO_OFTEN = f"lost {LOST_LIMIT} times: its worker stopped each time (out of memory? walltime?)"
+RUN_AGAIN_LIMIT = 3
+"""A configuration whose trial ended this many times in a row for a cause that is no failure of
+its own yet may be its own doing is recorded FAIL instead of being queued again, so nothing
+loops: it was lost (it kills its worker: out of memory, a job's walltime), counted in
+``lost_count``, or its files filled the disk, counted in ``disk_full_count``."""
+LOST_TOO_OFTEN = f"lost {RUN_AGAIN_LIMIT} times: its worker stopped each time (out of memory? walltime?)"
 
 
-def lost_verdict(lost_count: int, result: TrialResult) -> TrialResult:
-    """``result`` as it is, or, where it is LOST and its configuration was lost ``lost_count``
-    times in a row before, :data:`LOST_LIMIT` times with it, FAIL (:data:`LOST_TOO_OFTEN`)."""
-    if result.outcome is Outcome.LOST and lost_count + 1 >= LOST_LIMIT:
-        return TrialResult(Outcome.FAIL, duration_s=result.duration_s, reason=LOST_TOO_OFTEN)
-    return result
+def run_again_verdict(row: TrialRow, result: TrialResult, filled: FolderFull | None = None) -> TrialResult:
+    """``result`` of ``row``'s trial as it is, or FAIL where it makes :data:`RUN_AGAIN_LIMIT`
+    times in a row that its configuration was LOST (:data:`LOST_TOO_OFTEN`) or, ``filled`` given
+    (the trial ended INTERRUPTED because its files found the disk full), that its files filled
+    the disk (``its files filled the disk 3 times: cannot write ...``)."""
+    if result.outcome is Outcome.LOST and row.lost_count + 1 >= RUN_AGAIN_LIMIT:
+        reason = LOST_TOO_OFTEN
+    elif result.outcome is Outcome.INTERRUPTED and filled is not None and row.disk_full_count + 1 >= RUN_AGAIN_LIMIT:
+        reason = f"its files filled the disk {RUN_AGAIN_LIMIT} times: {filled}"
+    else:
+        return result
+    return TrialResult(Outcome.FAIL, duration_s=result.duration_s, reason=reason)
 
 
-def requeue_lost(store: StudyStore, row: TrialRow, rows: list[TrialRow], lost: TrialResult) -> TrialResult:
-    """How to record ``row``'s trial, ``lost``: as it is, its configuration queued again with
-    one more loss counted, or FAIL (:func:`lost_verdict`). Call under the ask lock."""
-    result = lost_verdict(row.lost_count, lost)
-    if result.outcome is Outcome.LOST:
+def requeue_or_fail(store: StudyStore, row: TrialRow, rows: list[TrialRow], result: TrialResult,
+                    filled: FolderFull | None = None) -> TrialResult:
+    """How to record ``row``'s trial, ``result``, which did not fail on its own merits (LOST or
+    INTERRUPTED): as it is, its configuration queued again with one more loss or, ``filled``
+    given, one more disk its files filled counted, or FAIL (:func:`run_again_verdict`). Call
+    under the ask lock."""
+    verdict = run_again_verdict(row, result, filled)
+    if verdict.outcome is Outcome.LOST:
         requeue(store, row, rows, **{ATTR_LOST_COUNT: row.lost_count + 1})
-    return result
+    elif verdict.outcome.run_again and filled is not None:
+        requeue(store, row, rows, **{ATTR_DISK_FULL_COUNT: row.disk_full_count + 1})
+    elif verdict.outcome.run_again:
+        requeue(store, row, rows)
+    return verdict
 
 
 class Scheduler:
@@ -235,33 +252,35 @@ class Scheduler:
         assert self._numbers is not None
         return next((i for i, number in enumerate(self._numbers) if number not in covered), None)
 
-    def settle(self, claim: Claim, result: TrialResult) -> bool:
+    def settle(self, claim: Claim, result: TrialResult, filled: FolderFull | None = None) -> bool:
         """Record how a claimed trial ended, queueing its configuration again first when it
-        did not fail on its own merits, or failed with retries left. False when another
-        worker had already ended it (judged lost)."""
+        did not fail on its own merits (unless :func:`run_again_verdict` says FAIL), or failed
+        with retries left. ``filled``: the trial ended INTERRUPTED because its files found the
+        disk full, as :meth:`verdict` was told. False when another worker had already ended it
+        (judged lost)."""
         store = self.store
-        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT) and result.reason != LOST_TOO_OFTEN
+        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT) and result.reason != LOST_TOO_OFTEN \
+            and filled is None
         if result.outcome.run_again or retry:
             def section() -> TrialResult:
                 rows = store.rows(store.trials())
                 row = next(r for r in rows if r.number == claim.number)
-                if result.outcome is Outcome.LOST:  # its executor found its worker dead (Dask)
-                    return requeue_lost(store, row, rows, result)
                 if result.outcome.run_again:
-                    requeue(store, row, rows)
-                elif row.retries < store.scenario.search.retry_failed:
+                    return requeue_or_fail(store, row, rows, result, filled)
+                if row.retries < store.scenario.search.retry_failed:
                     requeue(store, row, rows, **{ATTR_RETRY_OF: row.number, ATTR_RETRIES: row.retries + 1})
                 return result
 
             result = store.locked(section)
         return store.record(claim.number, result, claim.folder)
 
-    def verdict(self, claim: Claim, result: TrialResult) -> TrialResult:
+    def verdict(self, claim: Claim, result: TrialResult, filled: FolderFull | None = None) -> TrialResult:
         """How :meth:`settle` records ``result`` of ``claim``, as it is told before it is
-        recorded: a LOST one may be FAIL (:func:`lost_verdict`)."""
-        if result.outcome is not Outcome.LOST:
+        recorded: a LOST one, or one whose files ``filled`` the disk, may be FAIL
+        (:func:`run_again_verdict`)."""
+        if result.outcome is not Outcome.LOST and filled is None:
             return result
-        return lost_verdict(self.store.rows([self.store.trial(claim.number)])[0].lost_count, result)
+        return run_again_verdict(self.store.rows([self.store.trial(claim.number)])[0], result, filled)
 
     def holds(self, claim: Claim) -> bool:
         """Whether ``claim`` is still this worker's: its trial runs under the claim's token (not

@@ -4,7 +4,7 @@ An hpo study is a first-class Optuna study. The objective carries its metric nam
 (``set_metric_names``); how a trial ended is recorded as flat scalar user attributes
 (``outcome``, ``reason``, ``duration_s``, ``folder``, each held-out metric under its own
 name, and the bookkeeping of re-runs: ``requeue_of``, ``retry_of``, ``rerun_of``,
-``retries``, ``lost_count``, ``design_index``), so ``optuna.load_study``,
+``retries``, ``lost_count``, ``disk_full_count``, ``design_index``), so ``optuna.load_study``,
 optuna-dashboard and ``trials_dataframe()`` show them as they are. Optuna's state is
 COMPLETE (with the value), PRUNED, or FAIL for every other outcome (STOPPED, TIMEOUT,
 LOST and INTERRUPTED included: none of them has an objective value). The scenario's
@@ -44,6 +44,7 @@ from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
 ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "design_index"
+ATTR_DISK_FULL_COUNT = "disk_full_count"
 SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
 STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
 SNAPSHOT_FETCH_LIMIT = 500
@@ -129,7 +130,8 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
         slot=_int(started.get("slot")), gpus=str(started.get("gpus", "")),
         requeue_of=_int(user.get(ATTR_REQUEUE_OF)), retry_of=_int(_attr(trial, ATTR_RETRY_OF)),
         rerun_of=_int(user.get(ATTR_RERUN_OF)), design_index=_int(_attr(trial, ATTR_DESIGN_INDEX)),
-        lost_count=_int(user.get(ATTR_LOST_COUNT)) or 0, retries=_int(_attr(trial, ATTR_RETRIES)) or 0)
+        lost_count=_int(user.get(ATTR_LOST_COUNT)) or 0, disk_full_count=_int(user.get(ATTR_DISK_FULL_COUNT)) or 0,
+        retries=_int(_attr(trial, ATTR_RETRIES)) or 0)
 
 
 def _attr(trial: FrozenTrial, name: str) -> Any:

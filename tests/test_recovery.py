@@ -18,7 +18,7 @@ from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import STALE_AFTER_BEATS, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
-from hpo.scheduler import HOST, LOST_LIMIT, Claim, Scheduler, worker_id
+from hpo.scheduler import HOST, RUN_AGAIN_LIMIT, Claim, Scheduler, worker_id
 from hpo.storage import MAX_PAUSE_S
 from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
@@ -172,7 +172,7 @@ def test_a_result_left_in_the_folder_is_recorded(tmp_path: Path, write_scenario:
 
 def test_a_configuration_lost_three_times_fails(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
-    for _ in range(LOST_LIMIT):
+    for _ in range(RUN_AGAIN_LIMIT):
         claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
         recover(scheduler, tmp_path)
     rows = scheduler.store.rows()

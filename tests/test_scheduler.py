@@ -9,9 +9,10 @@ import pytest
 
 from hpo import designs, space
 from hpo.outcome import Outcome, TrialResult
+from hpo.render import FolderFull
 from hpo.rows import budget_used
 from hpo.scenario import load_scenario
-from hpo.scheduler import LOST_LIMIT, WAIT, Claim, Scheduler, requeue
+from hpo.scheduler import RUN_AGAIN_LIMIT, WAIT, Claim, Scheduler, requeue
 from hpo.store import StudyStore
 
 WriteScenario = Callable[..., Path]
@@ -270,7 +271,7 @@ def test_a_configuration_its_executor_found_lost_three_times_is_a_fail(tmp_path:
     it was queued again without counting the loss, and ran 60 times in 150 s until stopped."""
     scheduler = make(tmp_path, write_scenario, trials=1, retry_failed=1)
     told = []
-    for _ in range(LOST_LIMIT):
+    for _ in range(RUN_AGAIN_LIMIT):
         lost = claim(scheduler)
         result = scheduler.verdict(lost, TrialResult(Outcome.LOST, duration_s=2.0,
                                                      reason="lost: its Dask worker tcp://w:1 is gone"))
@@ -283,3 +284,30 @@ def test_a_configuration_its_executor_found_lost_three_times_is_a_fail(tmp_path:
     assert [(r.outcome, r.lost_count) for r in rows] == [(Outcome.LOST, 0), (Outcome.LOST, 1), (Outcome.FAIL, 2)]
     assert rows[-1].reason == "lost 3 times: its worker stopped each time (out of memory? walltime?)"
     assert rows[-1].duration_s == 2.0 and len({repr(r.params) for r in rows}) == 1
+
+
+def test_a_configuration_whose_files_filled_the_disk_three_times_is_a_fail(tmp_path: Path,
+                                                                           write_scenario: WriteScenario) -> None:
+    """A trial that fills the disk itself (its log refused: INTERRUPTED, no fault of its own) ran
+    again each time space was freed, with no bound; losses and disks filled count apart, and an
+    interruption of another cause (the sweep stopped) does not count."""
+    scheduler = make(tmp_path, write_scenario, trials=1, retry_failed=1)
+    full = FolderFull(f"cannot write {tmp_path}/w/trial-0000/trial.log: No space left on device (0 bytes free on /)")
+    told = []
+    for cause in ("disk", "lost", "stop", "disk", "disk"):
+        c = claim(scheduler)
+        if cause == "lost":
+            result = TrialResult(Outcome.LOST, reason="lost: its Dask worker tcp://w:1 is gone")
+        else:
+            result = TrialResult(Outcome.INTERRUPTED, duration_s=1.0, reason=f"interrupted: {full}; it runs again")
+        filled = full if cause == "disk" else None
+        result = scheduler.verdict(c, result, filled)
+        told.append(result.outcome)
+        assert scheduler.settle(c, result, filled)
+    assert told == [Outcome.INTERRUPTED, Outcome.LOST, Outcome.INTERRUPTED, Outcome.INTERRUPTED, Outcome.FAIL]
+    with scheduler.store.lock():
+        assert scheduler.claim(set()) is None
+    rows = scheduler.store.rows()
+    assert [(r.lost_count, r.disk_full_count) for r in rows] == [(0, 0), (0, 1), (1, 1), (1, 1), (1, 2)]
+    assert rows[-1].reason == f"its files filled the disk {RUN_AGAIN_LIMIT} times: {full}"
+    assert rows[-1].duration_s == 1.0 and len({repr(r.params) for r in rows}) == 1
