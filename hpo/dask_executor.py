@@ -9,11 +9,13 @@ store nor a shared filesystem:
 * worker to sweep: events on the executor's topic (``Worker.log_event``): the trial
   started (where, on which GPUs), its intermediate values, chunks of its log;
 * sweep to worker: a Dask ``Variable`` per trial holding what should end it (``stopped``,
-  ``pruned``, ``interrupted``; empty while it runs), read by the worker every ``POLL_S``.
-  The sweep reports and judges the values as :func:`hpo.executor.run_trial` does on this
-  machine, so a trial is recorded alike on both: pruned at the step the pruner judged, with
-  no later value reported, however many steps its worker ran before the request reached it;
-* a Dask ``Event`` per trial marks its first start. Dask runs a task again when its worker
+  ``pruned``, ``interrupted``; empty while it runs), and an ``Event`` the sweep sets after
+  each request, which the worker waits on (in the scheduler: no polling, no CPU) and then
+  reads the request: it reaches the trial within a round trip. The sweep reports and judges
+  the values as :func:`hpo.executor.run_trial` does on this machine, so a trial is recorded
+  alike on both: pruned at the step the pruner judged, with no later value reported, however
+  many steps its worker ran before the request reached it;
+* a Dask ``Event`` per task marks its first start. Dask runs a task again when its worker
   dies; hpo does not: the second start returns LOST at once, and the sweep queues the
   configuration as a new trial, as it does for any lost trial;
 * the task's result: how the trial ended and the end of its log.
@@ -21,15 +23,26 @@ store nor a shared filesystem:
 No trial runs unseen: a task asked to end before it started never starts its trial (the
 sweep cancels it; once the sweep stops, an Event tells every worker to start none of its
 trials), and a worker ends its trial when it closes or loses the scheduler, or when its task
-is cancelled (the ``hpo`` process that ran the sweep is gone), as the trial's end could no
-longer be reported: such a trial is LOST, as one whose worker died, and its ``result.json``
-says why. When the scheduler goes away the sweep stops (:class:`SchedulerGone`) with how each
+is cancelled with no request of the sweep's (the ``hpo`` process that ran the sweep is gone),
+as the trial's end could no longer be reported: such a trial is LOST, as one whose worker
+died, and its ``result.json`` says why. A task the sweep cancels itself (a trial it stops,
+interrupts or leaves as it ends) is told first, and its trial ends as asked: no loss. When
+the scheduler goes away the sweep stops (:class:`SchedulerGone`) with how each
 of its trials ended as far as it can tell. The sweep says when it waits on the cluster: trials
 that no connected worker can run, a scheduler that does not answer.
 
 Trial folders: when the worker sees the trial's folder (a shared filesystem), the trial
 runs there, as on this machine; otherwise it runs in the worker's scratch space while its
 log streams into the folder here, where its ``result.json`` is written too.
+
+A worker's own full disk (its trial folder, log or ``result.json`` refused: ENOSPC, a quota)
+is the worker's, as a full trial folder is the sweep's on this machine
+(:class:`hpo.render.FolderFull`): said in one line that names the worker, the file and the
+room left, measured on the worker, and once more when a trial runs there again. Only that
+worker's trials are affected: one refused before it started runs at once on another worker,
+one whose log was refused is INTERRUPTED (it runs again), and trials are kept off the worker
+for a while, then tried there again. Where every worker that can run a trial is full, the
+sweep waits for room as for its own full disk.
 
 A trial takes ``gpus_per_trial`` of a worker's ``GPU`` resource and ``processes`` of its
 ``CPU`` resource, for each of these that the cluster's workers offer
@@ -43,9 +56,11 @@ import hashlib
 import logging
 import os
 import queue
+import shutil
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,23 +86,25 @@ from hpo.executor import (
 )
 from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import LOG_FILE, RESULT_FILE, write_files
+from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, folder_full, folder_writes, write_files
 from hpo.results import Metrics
 from hpo.scenario import Cluster, Resources
 
-POLL_S = 0.5
+LISTEN_S = 1.0
+GET_S = 2.0
 SHIP_S = 0.25
 CHUNK_BYTES = 64 * 1024
 CHECK_S = 0.2
 WATCH_S = 1.0
 LOST_GRACE_S = 5.0
 LOG_DRAIN_S = 5.0
+FULL_FIRST_S = 2.0
+FULL_MAX_S = 60.0
 INTERRUPT_GRACE_S = KILL_GRACE_S + 10.0
 SCHEDULER_LOST_S = 30.0
 NO_WORKER_S = 5.0
 MARKER = ".hpo-token"
 RUNNING_STATES = frozenset({"executing", "long-running"})
-_DONE = object()
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +173,13 @@ class TaskReport:
         shared: whether it ran in the trial's own folder (else in scratch space).
         chunks: log chunks sent as events.
         rest: the end of the log that no event carried.
-        started: whether the trial's process started (False: it was asked to end before).
+        started: whether the trial's process started (False: it was asked to end before, or
+            its worker's disk refused its folder or log).
         again: whether this is a second start, after the worker of the first died: the
             result is LOST and nothing ran.
+        full: where the worker's own disk is full, its line: the worker, the file it could
+            not write and the room left there, measured on the worker (empty otherwise).
+        label: the worker in words (:func:`worker_label`), where ``full`` is set.
     """
 
     result: TrialResult
@@ -169,11 +190,31 @@ class TaskReport:
     rest: str = ""
     started: bool = True
     again: bool = False
+    full: str = ""
+    label: str = ""
 
 
-def _names(token: str) -> tuple[str, str, str]:
-    """The task key, end-request Variable and first-start Event of the trial ``token``."""
-    return f"hpo-trial-{token}", f"hpo-end-{token}", f"hpo-start-{token}"
+def _task_key(token: str) -> str:
+    """A new task key for the trial ``token``: each submission has its own (a trial is
+    submitted again after a worker's full disk refused it, or after the sweep waited for
+    room), so that none is answered with an earlier one's result that the scheduler keeps."""
+    return f"hpo-trial-{token}-{uuid.uuid4().hex[:12]}"
+
+
+def _start_event(key: str) -> str:
+    """The Event that marks the first start of the task ``key``."""
+    return f"{key}-started"
+
+
+def _end_variable(token: str) -> str:
+    """The Variable that holds what should end the trial ``token`` (empty while it runs)."""
+    return f"hpo-end-{token}"
+
+
+def _asked_event(token: str) -> str:
+    """The Event the sweep sets after each end request it makes of the trial ``token`` (its
+    worker waits on it, then reads the request from the trial's Variable)."""
+    return f"hpo-asked-{token}"
 
 
 def _stopping_event(topic: str) -> str:
@@ -242,9 +283,26 @@ def gpu_pool() -> GpuPool:
         return _POOL
 
 
-def _first_start(client: Client, token: str) -> bool:
-    """Mark the trial started; False if it had started before (on a worker that died)."""
-    event = Event(_names(token)[2], client=client)
+def _within(seconds: float, call: Callable[[], Any], default: Any) -> Any:
+    """``call()`` (in a thread), or ``default`` where it raised or did not return within
+    ``seconds`` (a scheduler that does not answer)."""
+    answer: list[Any] = []
+
+    def ask() -> None:
+        try:
+            answer.append(call())
+        except Exception:
+            logger.debug("no answer from %s", call, exc_info=True)
+
+    thread = threading.Thread(target=ask, name="hpo-ask", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return answer[0] if answer else default
+
+
+def _first_start(client: Client, key: str) -> bool:
+    """Mark the task ``key`` started; False if it had started before (on a worker that died)."""
+    event = Event(_start_event(key), client=client)
     if event.is_set():
         return False
     event.set()
@@ -265,8 +323,11 @@ def _trial_folder(spec: TrialSpec, worker: Worker, shared: bool | None) -> tuple
 
 
 class _Courier:
-    """The worker's side of one running trial: sends its events, ships its log, and reads
-    what should end it (in a thread, so that a slow scheduler never delays the trial)."""
+    """The worker's side of one running trial: sends its events, ships its log (in a thread),
+    and hears what should end it: a thread waits on the trial's asked Event, which the sweep
+    sets after each request, and reads the request at once (so a prune reaches the trial
+    within a round trip, not a poll's period); it reads it every ``LISTEN_S`` anyway, which
+    also tells that the scheduler answers. Waiting costs no CPU: the wait is the scheduler's."""
 
     def __init__(self, worker: Worker, client: Client, spec: TrialSpec, options: TaskOptions,
                  log: Path | None) -> None:
@@ -274,70 +335,103 @@ class _Courier:
         self._topic = options.topic
         self._token = spec.token
         self._key = worker.get_current_task()
-        self._end = Variable(_names(spec.token)[1], client=client)
+        self._end = Variable(_end_variable(spec.token), client=client)
+        self._asked = Event(_asked_event(spec.token), client=client)
+        self._stopping = Event(_stopping_event(options.topic), client=client)
         self._lost_s = options.scheduler_lost_s
+        self._listen_s = min(LISTEN_S, options.scheduler_lost_s / 3)
         self._log = log
         self._offset = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chunks = 0
         self.cause: str | None = None
         self._request: str | None = None
+        self._cancel_asked: tuple[str | None] | None = None  # (the sweep's request) once the task was cancelled
         self._heard = time.monotonic()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"hpo-courier-{spec.number}", daemon=True)
+        self._thread = threading.Thread(target=self._ship, name=f"hpo-courier-{spec.number}", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name=f"hpo-listener-{spec.number}", daemon=True)
 
     def send(self, kind: str, **fields: Any) -> None:
         """An event for the sweep."""
         self._worker.log_event(self._topic, {"token": self._token, "kind": kind, **fields})
 
     def start(self) -> None:
-        """Start shipping and reading."""
+        """Start shipping and listening."""
         self._thread.start()
+        self._listener.start()
 
     def end_request(self) -> str | None:
         """What should end the trial: the sweep's request, or ``interrupted`` when its task
-        was cancelled (the sweep that submitted it is gone), the worker is closing (it lost its
-        scheduler, or was told to close: the trial's end could not be reported) or the
-        scheduler has not answered for ``scheduler_lost_s``; :attr:`cause` then says which,
-        unless the sweep had asked for the interruption itself."""
+        was cancelled with no request of the sweep's (the sweep that submitted it is gone),
+        the worker is closing (it lost its scheduler, or was told to close: the trial's end
+        could not be reported) or the scheduler has not answered for ``scheduler_lost_s``;
+        :attr:`cause` then says which. A task the sweep cancelled itself (it asked for the
+        trial's end, dropped the trial, or stops) ends as the sweep asked: no loss."""
         if self._request == "interrupted":
             return self._request
-        cause = self._own_cause()
-        if cause is not None:
-            self.cause = self.cause or cause
+        if self._cancelled():
+            if self._cancel_asked is None:  # a scheduler that hangs does not hold the trial's end
+                self._cancel_asked = (_within(GET_S, self._sweep_asked, self._request),)
+            if self._cancel_asked[0] is not None:
+                return self._cancel_asked[0]
+            self.cause = self.cause or "its Dask task was cancelled: the hpo process that ran the sweep is gone"
+            return "interrupted"
+        if self._worker.status not in WORKER_ANY_RUNNING or (
+                self._request is None and time.monotonic() - self._heard > self._lost_s):
+            self.cause = self.cause or f"its Dask worker {self._worker.address} closed or lost the scheduler"
             return "interrupted"
         return self._request
 
-    def _own_cause(self) -> str | None:
+    def _cancelled(self) -> bool:
         state = self._worker.state.tasks.get(self._key)
-        if state is None or state.state not in RUNNING_STATES:
-            return "its Dask task was cancelled: the hpo process that ran the sweep is gone"
-        if self._worker.status not in WORKER_ANY_RUNNING or (
-                self._request is None and time.monotonic() - self._heard > self._lost_s):
-            return f"its Dask worker {self._worker.address} closed or lost the scheduler"
-        return None
+        return state is None or state.state not in RUNNING_STATES
+
+    def _sweep_asked(self) -> str | None:
+        """What the sweep asked of the trial whose task is cancelled: the request heard, else
+        read now; ``interrupted`` where the sweep dropped the trial's Variable (it stopped
+        following it) or stops; None where it asked nothing (it is gone)."""
+        if self._request is not None:
+            return self._request
+        try:
+            value = self._end.get(timeout=CHECK_S)
+        except TimeoutError:
+            return "interrupted"
+        if value:
+            return str(value)
+        return "interrupted" if self._stopping.is_set() else None
 
     def stop(self) -> str:
-        """Stop the thread; return the log's end that was not shipped."""
+        """Stop the threads; return the log's end that was not shipped. The listener is not
+        waited for: it ends after its wait (at most ``LISTEN_S``)."""
         self._done.set()
         self._thread.join()
         return self._read(final=True)
 
-    def _loop(self) -> None:
-        polled = 0.0
+    def _ship(self) -> None:
         while not self._done.wait(SHIP_S):
             text = self._read(final=False)
             if text:
                 self.send("log", seq=self.chunks, text=text)
                 self.chunks += 1
-            if time.monotonic() - polled >= POLL_S:
-                polled = time.monotonic()
+
+    def _listen(self) -> None:
+        while not self._done.is_set():
+            try:
+                if self._asked.wait(timeout=self._listen_s):
+                    self._asked.clear()  # before the read: a request made after it sets the Event again
+            except Exception:  # unreachable for now; end_request judges for how long
+                logger.debug("cannot wait on %s", self._asked.name, exc_info=True)
+                if self._done.wait(SHIP_S):
+                    return
+                continue
+            if not self._done.is_set():
                 self.poll()
 
     def poll(self) -> None:
         """Read the sweep's request now."""
         try:
-            value = self._end.get(timeout=POLL_S * 4)
+            value = self._end.get(timeout=GET_S)
         except TimeoutError:  # the sweep no longer knows the trial (its scheduler restarted)
             self._request = "interrupted"
             return
@@ -398,11 +492,34 @@ def trial_threads(worker: Worker, options: TaskOptions) -> int:
     return max(1, cpus // (at_once * demand.processes))
 
 
+def worker_label(worker: Worker) -> str:
+    """``Dask worker tcp://10.0.0.7:40123 (gpu-3, host node7)``: the worker, for messages."""
+    name = str(worker.name)
+    named = f"{name}, " if name and name != worker.address else ""
+    return f"Dask worker {worker.address} ({named}host {socket.gethostname()})"
+
+
+def _full_line(worker: Worker, exc: BaseException, folder: Path) -> str | None:
+    """``exc``, an error writing in the trial's ``folder`` on this worker, as the line of a
+    full disk (:func:`hpo.render.full_disk`'s, measured here, after :func:`worker_label`),
+    or None where the disk is not full."""
+    if not isinstance(exc, FolderFull):
+        filename = getattr(exc, "filename", None)
+        exc = folder_full(exc, Path(filename) if filename else folder) or exc
+    return f"{worker_label(worker)}: {exc}" if isinstance(exc, FolderFull) else None
+
+
 def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
-    """The Dask task of one trial (see the module docstring); runs on a worker."""
+    """The Dask task of one trial (see the module docstring); runs on a worker.
+
+    A full disk of the worker's own is said in :attr:`TaskReport.full`: a trial whose folder
+    or log it refuses before the trial starts does not start (its scratch folder is
+    removed); one whose log or ``result.json`` it refuses later ends as
+    :func:`~hpo.executor.run_trial` ends it then (INTERRUPTED, or as it ended).
+    """
     worker = get_worker()
     client = get_client()
-    if not _first_start(client, spec.token):
+    if not _first_start(client, str(worker.get_current_task())):
         return TaskReport(TrialResult(Outcome.LOST, reason="lost: the Dask worker that ran it died"), worker.address,
                           again=True)
     folder, shared = _trial_folder(spec, worker, options.shared)
@@ -421,25 +538,43 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
             return TaskReport(not_started(spec, asked), worker.address, gpus, shared, started=False)
         slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
                        share=demand.share if gpus else 1)
-        if not shared:  # in the trial's own folder, the sweep has written them already
-            write_files(folder, spec.files)
-        with (folder / LOG_FILE).open("a") as log:
-            log.write(f"hpo: runs on Dask worker {worker.address} (host {socket.gethostname()}, "
-                      f"{slot.describe()}, folder {folder})\n")
-        courier.start()
+        result: TrialResult | None = None
+        full = rest = ""
         try:
-            place = {"worker": worker.address, "host": socket.gethostname(), "folder": str(folder),
-                     "shared": shared}
-            result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder)
-        finally:
-            rest = courier.stop()
-        if result.outcome is Outcome.INTERRUPTED and courier.cause is not None:  # not the sweep's request
-            result = save_result(folder, spec.number, TrialResult(Outcome.LOST, duration_s=result.duration_s,
-                                                                  reason=f"lost: {courier.cause}"))
+            if not shared:  # in the trial's own folder, the sweep has written them already
+                write_files(folder, spec.files)
+            with folder_writes(folder / LOG_FILE), (folder / LOG_FILE).open("a") as log:
+                log.write(f"hpo: runs on Dask worker {worker.address} (host {socket.gethostname()}, "
+                          f"{slot.describe()}, folder {folder})\n")
+            courier.start()
+            try:
+                place = {"worker": worker.address, "host": socket.gethostname(), "folder": str(folder),
+                         "shared": shared}
+                result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder)
+            finally:
+                rest = courier.stop()
+        except (FolderFull, OSError) as exc:
+            line = _full_line(worker, exc, folder)
+            if line is None:
+                raise
+            result, full = getattr(exc, "result", None), line
+        if result is None:  # its folder or log was refused: it never ran
+            if not shared:
+                shutil.rmtree(folder, ignore_errors=True)
+            refused = TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {full}; it runs again")
+            return TaskReport(refused, worker.address, gpus, shared, started=False, full=full,
+                              label=worker_label(worker))
+        if result.outcome is Outcome.INTERRUPTED and courier.cause is not None and not full:  # not the sweep's request
+            result = TrialResult(Outcome.LOST, duration_s=result.duration_s, reason=f"lost: {courier.cause}")
+            try:
+                save_result(folder, spec.number, result)
+            except FolderFull as exc:
+                full = f"{worker_label(worker)}: {exc}"
     finally:
         if gpus:
             pool.give_back(gpus)
-    return TaskReport(result, worker.address, gpus, shared, courier.chunks, rest)
+    return TaskReport(result, worker.address, gpus, shared, courier.chunks, rest, full=full,
+                      label=worker_label(worker) if full else "")
 
 
 # --- the sweep's side -------------------------------------------------------------------
@@ -463,6 +598,55 @@ def _amounts(resources: Mapping[str, float]) -> str:
 def _gone_before_start(message: str) -> TrialResult:
     """A trial whose task had not started when the scheduler went away (``message``)."""
     return TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {message}; it runs again")
+
+
+@dataclass
+class _Refusal:
+    """A worker whose disk refused a trial: its line, since when, and when to try it again."""
+
+    label: str
+    line: str
+    since: float
+    retry_at: float
+    pause_s: float
+
+
+class _FullWorkers:
+    """Dask workers whose own disk is full (a trial's folder, log or ``result.json`` was
+    refused there): trials are kept off each, said once in a line naming the worker, the
+    file and the room left there; it is tried again after ``FULL_FIRST_S``, then after
+    twice as long each time it refuses one again (up to ``FULL_MAX_S``), and said once more
+    when a trial starts there again."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._lock = threading.Lock()
+        self._refusals: dict[str, _Refusal] = {}
+
+    def refused(self, worker: str, label: str, line: str) -> None:
+        """``worker`` (``label``: in words)'s disk refused a trial (``line``, measured there)."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._refusals.get(worker)
+            pause = FULL_FIRST_S if known is None else min(2 * known.pause_s, FULL_MAX_S)
+            self._refusals[worker] = _Refusal(label, line, now if known is None else known.since, now + pause, pause)
+        if known is None:
+            self._say(f"hpo: {line}; free space there: meanwhile no trial goes to that worker")
+
+    def started(self, worker: str) -> None:
+        """A trial started on ``worker``: its disk, if it was full, has room again."""
+        with self._lock:
+            refusal = self._refusals.pop(worker, None)
+        if refusal is not None:
+            self._say(f"hpo: {refusal.label} can write its trial folders again after "
+                      f"{time.monotonic() - refusal.since:.0f} s")
+
+    def kept_off(self, workers: Sequence[str]) -> dict[str, str]:
+        """Those of ``workers`` that trials are kept off now, with their lines."""
+        now = time.monotonic()
+        with self._lock:
+            return {worker: refusal.line for worker, refusal in self._refusals.items()
+                    if worker in workers and now < refusal.retry_at}
 
 
 class _Watch:
@@ -586,6 +770,8 @@ class DaskExecutor:
         self._any_submitted = any_submitted
         self._failures_told = 0
         self.broken: str | None = None
+        self._full = _FullWorkers(say)
+        self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
         self._subscribe()
         self.watch = _Watch(client, self.address, scheduler_lost_s, say, self._on_workers, self._subscribe)
 
@@ -665,10 +851,15 @@ class DaskExecutor:
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
         """See :class:`~hpo.executor.Executor`; raises :class:`SchedulerGone` when the scheduler
         is gone. A trial asked to end before its task started never starts: it ends INTERRUPTED
-        (or STOPPED) after 0 s, without ``control.started``."""
+        (or STOPPED) after 0 s, without ``control.started``.
+
+        A trial that a worker's own full disk refused before it started is submitted again at
+        once, and trials are kept off that worker for a while (:class:`_FullWorkers`); where
+        every connected worker that could run it is kept off, :class:`~hpo.render.FolderFull`
+        (the worker's line) tells the sweep to wait for room, as for a full disk of its own."""
         if self.watch.gone:
             raise SchedulerGone(self.watch.gone, _gone_before_start(self.watch.gone))
-        key, end, start = _names(spec.token)
+        end = _end_variable(spec.token)
         write_files(spec.folder, spec.files)
         asked = control.end_request()
         if asked is not None:  # stopped while it was claimed ahead: as on this machine, it never starts
@@ -678,31 +869,78 @@ class DaskExecutor:
         events: queue.Queue[Any] = queue.Queue()
         with self._lock:
             self._events[spec.token] = events
+        keys: list[str] = []
+        following: _Following | None = None
         try:
-            try:
-                Variable(end, client=self.client).set("")
-                future = self.client.submit(run_task, spec, self.options, key=key, pure=False, retries=0,
-                                            resources=self.demand.restrictions(self.options.restricted))
-            except Exception as exc:
-                if not self.connected():
-                    gone = f"the Dask scheduler at {self.address} is gone"
-                    raise SchedulerGone(gone, _gone_before_start(gone)) from exc
-                raise
-            with self._lock:
-                self._queued[spec.token] = time.monotonic()
-            future.add_done_callback(lambda _: events.put(_DONE))
-            return _Following(self, spec, control, future, events).result()
+            self._submitting(Variable(end, client=self.client).set, "")
+            while True:
+                workers = self._placement()
+                keys.append(_task_key(spec.token))
+                future = self._submitting(self._submit, spec, keys[-1], workers)
+                with self._lock:
+                    self._queued.setdefault(spec.token, time.monotonic())
+                future.add_done_callback(events.put)  # the future itself marks its end
+                following = _Following(self, spec, control, future, events, workers)
+                try:
+                    return following.result()
+                except _Resubmit:
+                    pass
+                asked = control.end_request()
+                if asked is not None:
+                    return save_result(spec.folder, spec.number, not_started(spec, asked))
         finally:
             with self._lock:
                 self._events.pop(spec.token, None)
                 self._queued.pop(spec.token, None)
-            self._forget(end, start)
+            self._forget(spec.token, keys, later=following is not None and following.cancelled)
             (spec.folder / MARKER).unlink(missing_ok=True)
 
-    def started(self, token: str) -> None:
-        """The task of trial ``token`` started on a worker (it no longer waits for one)."""
+    def _submitting(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, a call to the scheduler before the trial started; SchedulerGone
+        where it fails as the scheduler is gone."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            if not self.connected():
+                gone = f"the Dask scheduler at {self.address} is gone"
+                raise SchedulerGone(gone, _gone_before_start(gone)) from exc
+            raise
+
+    def _submit(self, spec: TrialSpec, key: str, workers: list[str] | None) -> Any:
+        """Submit the trial's task as ``key``, to ``workers`` only unless None."""
+        only = {} if workers is None else {"workers": workers, "allow_other_workers": False}
+        return self.client.submit(run_task, spec, self.options, key=key,
+                                  pure=False, retries=0, resources=self.demand.restrictions(self.options.restricted),
+                                  **only)
+
+    def _placement(self) -> list[str] | None:
+        """The workers a trial may go to now: any (None) unless trials are kept off some, whose
+        disk is full (:class:`_FullWorkers`); FolderFull where that is each connected worker
+        that could run it."""
+        restricted = self.options.restricted
+        able = [address for address, info in self.watch.workers.items()
+                if self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted)]
+        kept_off = self._full.kept_off(able)
+        if not kept_off:
+            return None
+        allowed = [address for address in able if address not in kept_off]
+        if allowed:
+            return allowed
+        line = list(kept_off.values())[-1]
+        others = "no other Dask worker can run the trial" if len(able) == 1 else \
+            f"the disks of the other {plural(len(able) - 1, 'Dask worker')} that can run it are full too"
+        raise FolderFull(f"{line}; {others}", where="the Dask workers' trial folders")
+
+    def started(self, token: str, worker: str) -> None:
+        """The task of trial ``token`` started on ``worker`` (it no longer waits for one; that
+        worker's disk has room)."""
         with self._lock:
             self._queued.pop(token, None)
+        self._full.started(worker)
+
+    def refused(self, worker: str, label: str, line: str) -> None:
+        """``worker``'s own disk is full (:class:`_FullWorkers`)."""
+        self._full.refused(worker, label, line)
 
     def connected(self) -> bool:
         """Whether the client is connected, waiting while it reconnects (Dask's own timeout)."""
@@ -711,15 +949,41 @@ class DaskExecutor:
             time.sleep(CHECK_S)
         return self.client.status == "running"
 
-    def _forget(self, end: str, start: str) -> None:
-        """Drop the trial's Variable and Event on the scheduler (when it is there)."""
+    def request(self, token: str, request: str) -> None:
+        """Ask trial ``token``'s worker for its end (``pruned``, ``stopped``, ``interrupted``):
+        the request in its Variable, then its asked Event set, which its worker waits on."""
+        try:
+            Variable(_end_variable(token), client=self.client).set(request)
+            Event(_asked_event(token), client=self.client).set()
+        except Exception:  # the scheduler is gone: the trial's end is judged without it
+            logger.debug("cannot ask for %s", request, exc_info=True)
+
+    def _forget(self, token: str, keys: Sequence[str], later: bool = False) -> None:
+        """Drop the trial's Variable and Events on the scheduler (when it is there); its
+        Variable ``later`` (after ``LOST_GRACE_S``) where the sweep cancelled its task: a
+        worker that runs it reads there what the sweep asked (:meth:`_Courier.end_request`)."""
         if self.client.status != "running":
             return
-        try:
-            Variable(end, client=self.client).delete()
-        except Exception:  # the scheduler went away meanwhile: nothing is left to drop
-            logger.debug("cannot drop the Variable %s", end, exc_info=True)
-        self._forget_event(start)
+        now = time.monotonic()
+        with self._lock:
+            if later:
+                self._later.append((now + LOST_GRACE_S, _end_variable(token)))
+            else:
+                self._later.append((now, _end_variable(token)))
+            due = [name for at, name in self._later if at <= now]
+            self._later = [(at, name) for at, name in self._later if at > now]
+        self._drop_variables(due)
+        for key in keys:
+            self._forget_event(_start_event(key))
+        self._forget_event(_asked_event(token))
+
+    def _drop_variables(self, names: Sequence[str]) -> None:
+        """Delete the Variables ``names`` on the scheduler (when it is there)."""
+        for name in names:
+            try:
+                Variable(name, client=self.client).delete()
+            except Exception:  # the scheduler went away meanwhile: nothing is left to drop
+                logger.debug("cannot drop the Variable %s", name, exc_info=True)
 
     def _forget_event(self, name: str) -> None:
         """Drop the Event ``name`` on the scheduler (when it is there)."""
@@ -740,12 +1004,21 @@ class DaskExecutor:
             self._stopping = True
 
     def close(self) -> None:
-        """Stop watching, disconnect, and close what the executor owns (idempotent)."""
+        """Stop watching, disconnect, and close what the executor owns (idempotent). Trials
+        still followed are asked to end first (``interrupted``): their tasks are cancelled as
+        the client closes, by the sweep, and their workers record them so, not as lost."""
         if self._closed:
             return
         self._closed = True
         self.watch.stop()
         if self.client.status == "running":
+            with self._lock:
+                left = list(self._events)
+            for token in left:
+                self.request(token, "interrupted")
+            with self._lock:
+                later, self._later = [name for _, name in self._later], []
+            self._drop_variables(later)
             self.client.unsubscribe_topic(self.options.topic)
             if self._stopping:
                 self._forget_event(_stopping_event(self.options.topic))
@@ -754,17 +1027,24 @@ class DaskExecutor:
             thing.close()
 
 
+class _Resubmit(Exception):
+    """The trial's task is to be submitted again: a worker's full disk refused it before it
+    started, or none of the workers it was kept to is connected any more."""
+
+
 class _Following:
     """The sweep's side of one trial task: passes its events on, forwards end requests,
-    writes its log here when it runs elsewhere, and collects its result."""
+    writes its log here when it runs elsewhere, and collects its result (``workers``: those
+    the task may run on, None for any)."""
 
     def __init__(self, executor: DaskExecutor, spec: TrialSpec, control: TrialControl, future: Any,
-                 events: queue.Queue[Any]) -> None:
+                 events: queue.Queue[Any], workers: Sequence[str] | None = None) -> None:
         self._executor = executor
         self._spec = spec
         self._control = control
         self._future = future
         self._events = events
+        self._workers = workers
         self._asked: str | None = None
         self._asked_at = 0.0
         self._worker: str | None = None
@@ -775,6 +1055,7 @@ class _Following:
         self._chunks = 0
         self._verdict: TrialResult | None = None
         self._pruned_at: int | None = None
+        self.cancelled = False  # whether this side cancelled the task
 
     def result(self) -> TrialResult:
         """Follow the task to its end; how the trial ended."""
@@ -783,9 +1064,9 @@ class _Following:
                 item = self._events.get(timeout=CHECK_S)
             except queue.Empty:
                 item = None
-            if item is _DONE:
+            if item is self._future:
                 return self._finish()
-            if item is not None:
+            if isinstance(item, Mapping):  # not the end of an earlier submission's task
                 self._handle(item)
             self._check()
         self._note(f"hpo: {self._verdict.reason}\n")
@@ -798,7 +1079,7 @@ class _Following:
             self._seen_at = self._started_at
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
-            self._executor.started(self._spec.token)
+            self._executor.started(self._spec.token, self._worker)
             self._control.started(tuple(message.get("gpus", ())))
         elif kind == "value":
             self._value(int(message["step"]), float(message["value"]), bool(message.get("judged", True)))
@@ -842,10 +1123,7 @@ class _Following:
             self._asked, self._asked_at = request, time.monotonic()
             if request == "interrupted":  # before any trial is ended: a worker it frees starts none
                 self._executor.stopping()
-            try:
-                Variable(_names(self._spec.token)[1], client=self._executor.client).set(request)
-            except Exception:  # the scheduler is gone: _check ends the trial
-                logger.debug("cannot ask for %s", request, exc_info=True)
+            self._executor.request(self._spec.token, request)
 
     def _check(self) -> None:
         """End requests out; a vanished worker or scheduler ends the trial here."""
@@ -858,6 +1136,9 @@ class _Following:
         if self._asked is not None and not self._started:  # still queued in Dask: it never starts
             self._cancel(not_started(self._spec, self._asked))
             return
+        if self._workers is not None and not self._started and not set(self._workers) & set(watch.workers):
+            self._future.cancel()  # kept to workers that left: placed again
+            raise _Resubmit("none of the workers it was kept to is connected")
         if self._executor.broken and not self._started:
             self._future.cancel()
             raise ClusterBroken(self._executor.broken, not_started(self._spec, "interrupted"))
@@ -874,7 +1155,12 @@ class _Following:
                                          reason=f"lost: its Dask worker {self._worker} is gone"))
 
     def _cancel(self, verdict: TrialResult) -> None:
+        """Cancel the task, the trial ending as ``verdict``; its worker, if it runs it, is told
+        that the sweep ends it (it records no loss)."""
+        if self._asked is None:
+            self._executor.request(self._spec.token, "interrupted")
         self._future.cancel()
+        self.cancelled = True
         self._verdict = verdict
 
     def _finish(self) -> TrialResult:
@@ -893,18 +1179,32 @@ class _Following:
             lost = replace(report.result, duration_s=self._ran())
             self._note(f"hpo: {lost.reason} (worker {self._worker})\n")
             return lost
+        if report.full and not report.started:  # it never ran: on another worker
+            self._executor.refused(report.worker, report.label, report.full)
+            if not report.shared:
+                self._note(f"hpo: not started: {report.full}\n")
+            raise _Resubmit(report.full)
         if not report.started:
             self._note(f"hpo: not started on Dask worker {report.worker}: {report.result.reason}\n")
             return report.result
         if not self._started:
             self._control.started(report.gpus)
+            self._executor.started(self._spec.token, report.worker)
+        if report.full:  # its log or result.json, later
+            self._executor.refused(report.worker, report.label, report.full)
         result = self._as_judged(report.result)
         if not report.shared:
             self._drain(report.chunks)
             self._note(report.rest)
-        if result.outcome is Outcome.LOST:  # its worker ended it
+        if report.full and result.outcome is Outcome.INTERRUPTED:  # its log: it runs again
+            result = replace(result, reason=f"interrupted: {report.full}; it runs again")
+        if result.outcome is Outcome.LOST and self._asked is not None:  # the sweep was ending it: no loss
+            self._note(f"hpo: {result.reason}, as it was being {self._asked}\n")
+            result = judge(Metrics(), self._spec.objective, 0, self._asked, (), result.duration_s, self._spec.timeout,
+                           self._pruned_at)
+        elif result.outcome is Outcome.LOST:  # its worker ended it
             self._note(f"hpo: {result.reason}\n")
-        elif report.shared and result == report.result:  # the worker wrote it into the folder
+        elif report.shared and result == report.result and not report.full:  # the worker wrote it into the folder
             return result
         return save_result(self._spec.folder, self._spec.number, result)
 

@@ -105,14 +105,18 @@ class LocalDask:
             except ValueError:
                 time.sleep(0.05)
 
-    def worker(self, name: str, nthreads: int, gpus: str = "", resources: str | None = None) -> None:
-        """Start a worker (``gpus``: its HPO_GPUS) and wait until it joined."""
+    def worker(self, name: str, nthreads: int, gpus: str = "", resources: str | None = None,
+               scratch: Path | None = None) -> str:
+        """Start a worker (``gpus``: its HPO_GPUS; ``scratch``: its local directory) and wait
+        until it joined; its address."""
+        known = set(self.pids())
         argv = [sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--name", name, "--nthreads",
                 str(nthreads), "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
-                "--local-directory", str(self.folder / "scratch")]
+                "--local-directory", str(scratch or self.folder / "scratch")]
         self._spawn(argv + (["--resources", resources] if resources else []), f"{name}.log",
                     {**cli_env(), "HPO_GPUS": gpus})
-        self.client.wait_for_workers(len(self.pids()) + 1, timeout=START_S)
+        self.client.wait_for_workers(len(known) + 1, timeout=START_S)
+        return next(address for address in self.pids() if address not in known)
 
     def pids(self) -> dict[str, int]:
         """Worker address -> process id."""

@@ -1,7 +1,9 @@
 """Faults around trials on a Dask cluster, with real ``dask scheduler`` and ``dask worker``
 processes: a trial whose worker dies is LOST after the time it ran (not after 0 s), a trial
-whose ``hpo run`` is killed is recorded LOST by its worker, and a sweep whose scheduler was
-restarted under it still hears its trials (values, starts) on the new one."""
+whose ``hpo run`` is killed is recorded LOST by its worker, but one whose task the sweep
+cancelled itself is not (no loss counted, no loss reason); a sweep whose scheduler was
+restarted under it still hears its trials (values, starts) on the new one; a prune reaches
+its worker within a round trip, not a poll's period."""
 from __future__ import annotations
 
 import os
@@ -10,22 +12,37 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import WriteScenario, cli_env
 from distributed import Client
-from test_dask import START_S, Control, LocalDask, Running, held, own_cluster, trial_spec, wait_for, where
+from test_dask import (
+    START_S,
+    Control,
+    LocalDask,
+    Running,
+    cluster,
+    held,
+    own_cluster,
+    scratch_executor,
+    tokens_alive,
+    trial_spec,
+    wait_for,
+    where,
+)
 from test_engine_starts import Events, sweep_of
 
+from hpo import dask_executor
 from hpo.dask_executor import DaskExecutor
 from hpo.executor import saved_result
 from hpo.outcome import Outcome
 from hpo.render import LOG_FILE
 from hpo.scenario import Resources
 
-__all__ = ["own_cluster"]  # the fixture, shared with tests/test_dask.py
+__all__ = ["cluster", "own_cluster", "scratch_executor"]  # the fixtures, shared with tests/test_dask.py
 
 
 def test_a_trial_whose_worker_is_killed_is_lost_after_the_time_it_ran(own_cluster: LocalDask,
@@ -76,6 +93,111 @@ def test_a_dask_trial_whose_hpo_run_is_killed_is_recorded_lost_by_its_worker(own
     assert result is not None and result.outcome is Outcome.LOST, result
     assert result.reason == "lost: its Dask task was cancelled: the hpo process that ran the sweep is gone"
     assert result.duration_s > 0.5
+
+
+def test_a_trial_the_sweep_leaves_as_it_ends_is_interrupted_by_its_worker_not_lost(own_cluster: LocalDask,
+                                                                                   tmp_path: Path) -> None:
+    """The sweep's executor closes while a trial runs (the sweep ends, or stops, without waiting
+    for it): its task is cancelled by the sweep, not by a vanished ``hpo run``; its worker
+    records it INTERRUPTED (it runs again, no loss counted), not LOST with a loss reason."""
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            shared=True, scheduler_lost_s=10)
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = trial_spec(tmp_path, held(hold), "left")
+    run = Running(executor, spec, Control())
+    try:
+        wait_for(lambda: "held" in run.log(), "the trial did not start")
+        executor.close()
+        wait_for(lambda: saved_result(spec.folder, 5) is not None, "the worker did not end the trial", 15)
+        run.thread.join(30)
+    finally:
+        hold.unlink(missing_ok=True)
+        executor.close()
+    result = saved_result(spec.folder, 5)
+    assert result is not None and (result.outcome, result.reason) == (
+        Outcome.INTERRUPTED, "interrupted: the sweep was stopped; it runs again on resume"), result
+    assert not tokens_alive(spec.token)
+
+
+class StopOnceHeld(Control):
+    """``hpo stop`` of the trial as soon as its process runs."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__()
+        self._log = log
+
+    def end_request(self) -> str | None:
+        return "stopped" if "held" in (self._log.read_text() if self._log.exists() else "") else None
+
+
+def test_a_trial_stopped_before_the_sweep_heard_it_start_is_stopped_by_its_worker_not_lost(
+        own_cluster: LocalDask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user stops a trial whose start is still on its way to the sweep: the sweep cancels
+    its task (it never started, as far as the sweep knows), having asked for the stop; the
+    worker, which had started it, ends it STOPPED as asked: neither LOST, as if the hpo
+    process were gone, nor INTERRUPTED, as if the sweep were stopping."""
+    handle = dask_executor._Following._handle
+
+    def start_on_its_way(following: Any, message: Mapping[str, Any]) -> None:
+        if message.get("kind") != "started":
+            handle(following, message)
+
+    monkeypatch.setattr(dask_executor._Following, "_handle", start_on_its_way)
+    executor = DaskExecutor(Client(own_cluster.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            shared=True, scheduler_lost_s=10)
+    hold = tmp_path / "hold"
+    hold.touch()
+    spec = trial_spec(tmp_path, held(hold), "stopped-early")
+    try:
+        result = executor.run(spec, StopOnceHeld(spec.folder / LOG_FILE))
+        wait_for(lambda: saved_result(spec.folder, 5) is not None, "the worker did not end the trial", 15)
+    finally:
+        hold.unlink(missing_ok=True)
+        executor.close()
+    assert (result.outcome, result.reason) == (Outcome.STOPPED, "stopped by the user")
+    written = saved_result(spec.folder, 5)
+    assert written is not None and (written.outcome, written.reason) == (Outcome.STOPPED, "stopped by the user"), \
+        written
+    assert not tokens_alive(spec.token)
+
+
+STAMPED = """\
+import time
+from hpo.results import report
+for step in range(2000):
+    print("at", time.time(), flush=True)
+    report(step=step, val_error=1.0 / (step + 1))
+    time.sleep(0.01)
+"""
+
+
+class Judged(Control):
+    """Prunes at ``prune_at``, noting when the pruner said so."""
+
+    judged_at = 0.0
+
+    def intermediate(self, step: int, value: float) -> bool:
+        prune = super().intermediate(step, value)
+        if prune and not self.judged_at:
+            self.judged_at = time.time()
+        return prune
+
+
+def test_a_prune_reaches_its_dask_trial_within_a_round_trip(scratch_executor: DaskExecutor, tmp_path: Path) -> None:
+    """The worker waits on the sweep's request rather than polling for it every 0.5 s: at
+    whatever moment the pruner judges, the trial runs on for well under that (a trial that
+    reports every 10 ms; its last output line marks its end)."""
+    late = []
+    for i, step in enumerate((20, 27, 34, 41, 48, 55)):  # judged at moments spread over half a second
+        control = Judged(prune_at=step)
+        spec = trial_spec(tmp_path / str(i), STAMPED, f"prompt-{i}")
+        result = scratch_executor.run(spec, control)
+        assert (result.outcome, result.step) == (Outcome.PRUNED, step), result
+        stamps = [float(line.split()[1]) for line in (spec.folder / LOG_FILE).read_text().splitlines()
+                  if line.startswith("at ")]
+        late.append(max(stamps) - control.judged_at)
+    assert max(late) < 0.25, late
 
 
 def free_port() -> int:
