@@ -135,22 +135,27 @@ def _snapshot(ctx: Context) -> list[Any]:
 
 class _Signals:
     """SIGINT and SIGTERM as a graceful stop: the first one calls ``stop(signum)``, a
-    second one only says that the stop is under way."""
+    second one only says that the stop is under way. ``notices``: whether these lines are said
+    as notices (``hpo: ``); a worker that hpo run started writes them to its log alone (hpo run
+    says the signal that it passed on, once: :mod:`hpo.worker_logs`)."""
 
     def __init__(self, stop: Callable[[int], None], ended: str = "running trials were recorded INTERRUPTED and "
-                 "queued again, trials claimed ahead went back to the queue; run the same command to resume") -> None:
+                 "queued again, trials claimed ahead went back to the queue; run the same command to resume",
+                 notices: bool = True) -> None:
         self.signum: int | None = None
         self._stop = stop
         self._ended = ended
+        self._lead = "hpo: " if notices else ""
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
             self.signum = signum
-            print(f"hpo: {signal.Signals(signum).name}: ending running trials (they run again on resume)...",
+            print(f"{self._lead}{signal.Signals(signum).name}: ending running trials (they run again on resume)...",
                   file=sys.stderr, flush=True)
             self._stop(signum)
         else:
-            print("hpo: already stopping; running trials are being ended and recorded", file=sys.stderr, flush=True)
+            print(f"{self._lead}already stopping; running trials are being ended and recorded", file=sys.stderr,
+                  flush=True)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
@@ -222,12 +227,17 @@ def _asked(ctx: Context, args: argparse.Namespace) -> tuple[int | str, str] | No
     return ctx.scenario.resources.parallel, "resources.parallel"
 
 
+def _started_by_run(args: argparse.Namespace) -> bool:
+    """Whether this is a worker that ``hpo run --workers`` started (only it passes ``--slots``)."""
+    return bool(getattr(args, "slots", None))
+
+
 def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace) -> Any:
     from hpo.engine import SweepConfig
 
     return SweepConfig(ctx.scenario, ctx.storage, ctx.workdir, slots, seed,
                        allow_space_change=getattr(args, "allow_space_change", False),
-                       store_reached=bool(getattr(args, "slots", None)))  # only hpo run --workers passes --slots
+                       store_reached=_started_by_run(args))
 
 
 def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
@@ -251,9 +261,15 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     from hpo.dask_executor import open_cluster
 
     logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
-    return open_cluster(cluster, ctx.scenario.resources, say=lambda line: print(line, flush=True),
+    return open_cluster(cluster, ctx.scenario.resources, say=_say_notice,
                         job_logs=ctx.workdir / "jobs",
                         field="--cluster" if given else "resources.cluster")
+
+
+def _say_notice(line: str) -> None:
+    """Print ``line``, which the Dask executor says, as a notice (``hpo: ``, which hpo run
+    relays from its workers: :mod:`hpo.worker_logs`)."""
+    print(line if line.startswith("hpo: ") else f"hpo: {line}", flush=True)
 
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
@@ -267,7 +283,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         if not sweep.uses_forest:
             forest_service.stop()
         sweep.prepare()
-        signals = _Signals(lambda signum: sweep.stop())
+        signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args))
         with signals.installed(), ProgressView(sweep.store, sweep.budget,
                                                 _plan_line(ctx, args, slots, executor)) as view:
             sweep.run(view)
@@ -294,16 +310,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace, executor: Any = None) -> int:
     """Start ``--workers`` optimizer processes sharing the study and this machine's slots
-    (or the slots of ``executor``'s Dask cluster); show their progress from the store."""
+    (or the slots of ``executor``'s Dask cluster); show their progress from the store, and
+    their notices (:mod:`hpo.worker_logs`, which writes their logs)."""
     from hpo.engine import Sweep
     from hpo.launch import die_with_parent
     from hpo.progress import ProgressView, follow_store
     from hpo.storage import redact
+    from hpo.worker_logs import WorkerLogs, relaying
 
     workers = args.workers
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
     sweep.prepare()
     ctx.workdir.mkdir(parents=True, exist_ok=True)
+    logs = WorkerLogs(ctx.workdir)
     procs = []
     for index in range(workers):
         share = slots[index::workers]
@@ -314,10 +333,11 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
             argv.append("--allow-space-change")
         if executor:
             argv += ["--cluster", executor.address]
-        log = (ctx.workdir / f"worker-{index}.log").open("a")
-        log.write(f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: {describe_plan(share)}\n")
-        log.flush()
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        said = logs.write(index, f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                                 f"{describe_plan(share)}\n".encode())
+        if said:
+            print(said, flush=True)
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
     print(f"started {workers} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log)", flush=True)
 
@@ -328,7 +348,8 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
     signals = _Signals(forward)
     with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view:
+        with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view, \
+                relaying(procs, logs, view.note):
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
         codes = [proc.wait() for proc in procs]
     code = signals.exit_code()
@@ -345,6 +366,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
     from hpo.launch import Slot
 
+    if _started_by_run(args):
+        from hpo.worker_logs import PipeToRun
+
+        sys.stdout, sys.stderr = PipeToRun(sys.stdout), PipeToRun(sys.stderr)
     ctx = _writing_context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
     executor = _cluster(ctx, args)

@@ -216,6 +216,11 @@ class ProgressView:
     def _print(self, text: str) -> None:
         self._console.print(text, highlight=False, markup=False, soft_wrap=True)
 
+    def note(self, text: str) -> None:
+        """Show ``text``, a line said elsewhere (a worker's notice), in turn with the trial
+        lines, or above the live view."""
+        self._print(text)
+
     def started(self, start: TrialStart) -> None:
         """See :class:`hpo.engine.Observer`."""
         with self._lock:

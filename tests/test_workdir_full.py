@@ -18,6 +18,7 @@ from conftest import Disk, cli_env, run_hpo
 
 from hpo.engine import _FullFolders
 from hpo.render import FolderFull
+from hpo.scheduler import RUN_AGAIN_LIMIT
 
 WriteScenario = Callable[..., Path]
 
@@ -25,7 +26,7 @@ FILL = """\
 import os
 x = {{{{ x }}}}
 {before}
-if {{{{ trial_number }}}} == 0:  # the first trial fills the disk, as a runaway checkpoint would
+if {fills}:  # it fills the disk, as a runaway checkpoint would
     fd = os.open("{mount}/filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         while True:
@@ -42,6 +43,12 @@ import time
 while "val_error" not in open("trial.log").read():
     time.sleep(0.01)"""
 PLAIN = "x = {{ x }}\n" + REPORT + "\n"
+FIRST_TRIAL = "{{ trial_number }} == 0"
+
+
+def _filling(disk: Disk, before: str = "", after: str = "", fills: str = FIRST_TRIAL) -> str:
+    """A template whose trials that ``fills`` says fill ``disk`` (the first, by default)."""
+    return FILL.format(mount=disk.mount, before=before, after=after, fills=fills)
 
 
 def _scenario(folder: Path, write_scenario: WriteScenario, trials: int, template: str, store_retry: float = 60) -> Path:
@@ -104,7 +111,7 @@ def test_a_trial_whose_log_a_full_disk_refuses_is_interrupted_and_runs_again(
     """The default layout, study and trial folders on one disk: the trial ended at once is
     recorded INTERRUPTED, not FAIL (the disk is no fault of its own), and its configuration
     runs again once there is room; the budget counts the run that completed."""
-    scenario = _scenario(tmp_path, write_scenario, 1, FILL.format(mount=disk.mount, before="", after=REPORT))
+    scenario = _scenario(tmp_path, write_scenario, 1, _filling(disk, after=REPORT))
     workdir = disk.mount / "w"
     run = _start(scenario, "--workdir", workdir)
     out, err = _free_when_said(run, disk, "hpo: cannot write")
@@ -116,11 +123,36 @@ def test_a_trial_whose_log_a_full_disk_refuses_is_interrupted_and_runs_again(
                                                      ("1", "COMPLETE", "")]
 
 
+def test_a_trial_whose_files_fill_the_disk_each_time_it_runs_fails_the_third_time(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Its configuration ran again each time space was freed, with no bound (as a trial that
+    kills its worker did before losses were bounded): now the third time is a FAIL that says so,
+    not run again, and the sweep moves on."""
+    scenario = _scenario(tmp_path, write_scenario, 1, _filling(disk, after=REPORT, fills="True"), store_retry=10)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    run = _start(scenario, "--workdir", workdir, "--storage", store)
+    assert run.stdout is not None and run.stderr is not None
+    out = ""
+    for line in run.stdout:  # the disk is freed each time it is said full, RUN_AGAIN_LIMIT times at most
+        out += line
+        if line.startswith("hpo: cannot write") and out.count("hpo: cannot write") <= RUN_AGAIN_LIMIT:
+            disk.free()
+    err = run.stderr.read()
+    assert (run.wait(timeout=60), err) == (0, ""), out + err
+    assert "1/1 trials done: 1 failed; also 2 interrupted" in out, out
+    full = [f"cannot write {workdir}/trial-{n:04d}/trial.log: No space left on device (0 bytes free on {disk.mount})"
+            for n in range(RUN_AGAIN_LIMIT)]
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [
+        ("0", "INTERRUPTED", f"interrupted: {full[0]}; it runs again"),
+        ("1", "INTERRUPTED", f"interrupted: {full[1]}; it runs again"),
+        ("2", "FAIL", f"its files filled the disk 3 times: {full[2]}")]
+
+
 def test_a_result_that_a_full_disk_keeps_out_of_result_json_is_recorded_all_the_same(
         disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
     """The trial ended on its own: its result, in memory, is recorded in the store (the file
     is only its backup), and is not run again; the next trial waits for room."""
-    template = FILL.format(mount=disk.mount, before=REPORT_LOGGED, after="")
+    template = _filling(disk, before=REPORT_LOGGED)
     scenario = _scenario(tmp_path, write_scenario, 2, template)
     workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
     run = _start(scenario, "--workdir", workdir, "--storage", store)
@@ -153,6 +185,31 @@ def test_a_disk_that_stays_full_stops_the_sweep_with_one_line_and_it_resumes(
     assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "COMPLETE", ""), ("1", "COMPLETE", "")]
 
 
+def test_worker_logs_that_a_full_disk_refuses_wait_for_room_and_every_worker_runs_on(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """hpo run --workers 2 writes its workers' logs: on a full disk it stopped at once with
+    'error: OSError: [Errno 28] No space left on device' (and a worker whose own log writes
+    failed died, its log unable to say why). Now that is said in one line, the logs' lines wait
+    for room, and the workers' notices (their trial folders wait for room) reach the screen."""
+    scenario = _scenario(tmp_path, write_scenario, 2, PLAIN)
+    workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
+    disk.fill()
+    run = _start(scenario, "--workdir", workdir, "--storage", store, "--workers", "2")
+    out, err = _free_when_said(run, disk, "hpo: worker-")
+    assert (run.returncode, err) == (0, ""), out + err
+    assert out.startswith(f"hpo: cannot write {workdir}/worker-0.log: No space left on device (0 bytes free on "
+                          f"{disk.mount}); the workers' output waits for room (the sweep goes on)\n"), out
+    assert re.search(rf"^hpo: worker-[01]: cannot write {workdir}/trial-000[01]/train.py: No space left on device ",
+                     out, re.MULTILINE), out
+    assert f"hpo: the worker logs in {workdir} can be written again\n" in out, out
+    assert "2/2 trials done: 2 complete." in out and "Traceback" not in out, out
+    assert _rows(scenario, "--workdir", workdir, "--storage", store) == [("0", "COMPLETE", ""), ("1", "COMPLETE", "")]
+    logs = [(workdir / f"worker-{index}.log").read_text() for index in (0, 1)]
+    assert all(log.startswith(f"--- hpo worker {index} started") and "2/2 trials done" in log
+               for index, log in enumerate(logs)), logs
+    assert "hpo: cannot write " in "".join(logs), logs
+
+
 def test_an_empty_workdir_marker_left_by_a_full_disk_marks_no_study(tmp_path: Path,
                                                                       write_scenario: WriteScenario) -> None:
     """Markers were once written in place: a full disk left an empty one, and the workdir was
@@ -171,8 +228,7 @@ def test_a_trial_whose_templates_fail_is_recorded_failed_though_its_folder_canno
         disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
     """Trial 1's templates do not render for its values (its own fault: FAIL); the disk, full
     since trial 0, keeps the why out of its folder, and the store records it all the same."""
-    template = FILL.format(mount=disk.mount, before=REPORT_LOGGED,
-                           after="{% if trial_number == 1 %}{{ missing }}{% endif %}")
+    template = _filling(disk, before=REPORT_LOGGED, after="{% if trial_number == 1 %}{{ missing }}{% endif %}")
     scenario = _scenario(tmp_path, write_scenario, 2, template)
     workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
     done = run_hpo("run", scenario, "--workdir", workdir, "--storage", store)
@@ -198,3 +254,14 @@ def test_the_outage_ends_when_a_trial_that_waited_for_room_is_written_not_when_a
     folders.failed(FolderFull("cannot write /w/trial-0003/trial.log: No space left on device"))
     folders.written(4)  # no trial waits: a trial written ends it
     assert len(said) == 4
+
+
+def test_an_outage_of_the_dask_workers_folders_ends_naming_them_not_this_machines_workdir() -> None:
+    """Every Dask worker's own disk full (:class:`hpo.dask_executor.DaskExecutor`): the line
+    that ends the wait names the workers' folders, not the sweep's workdir, which was never full."""
+    said: list[str] = []
+    folders = _FullFolders(Path("/w"), 60, said.append)
+    folders.failed(FolderFull("Dask worker tcp://h:1: cannot write /s/train.py: No space left on device",
+                              where="the Dask workers' trial folders"))
+    folders.written(1)
+    assert len(said) == 2 and said[1].startswith("the Dask workers' trial folders can be written again after "), said

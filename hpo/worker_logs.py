@@ -1,0 +1,166 @@
+"""The output of the optimizer workers that ``hpo run --workers K`` starts.
+
+Each worker writes to a pipe that hpo run reads (:func:`relay`): every line goes to the
+worker's log, ``<workdir>/worker-N.log`` (:class:`WorkerLogs`), and its notices, the lines
+that begin ``hpo: `` or ``error: `` (what it waits for, what went wrong), reach the user's
+screen too, marked with the worker's name (``hpo: worker-1: no Dask worker ...``).
+
+A log whose disk is full is no fault of the sweep, and stops no worker: its lines wait in
+memory and are written once there is room, said in one line when the first is refused and in
+one more when all are written again; any still unwritten when hpo run ends are said in one
+line. hpo run reads its workers' output until they end (:func:`relaying`), so that their last
+lines are kept even where it stops for an error of its own; a worker whose hpo run is gone
+(killed) goes on stopping as the signal it gets then asks, writing nowhere (:class:`PipeToRun`).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, TextIO
+
+from hpo.render import full_disk
+
+NOTICE_PREFIXES = ("hpo: ", "error: ")
+WORKERS_STOP_S = 60.0  # how long hpo run, stopping for an error of its own, waits for its workers to stop
+DRAIN_S = 5.0  # how long the output of a worker that ended is read on (a process it started may hold it open)
+
+
+class WorkerLogs:
+    """The logs of the workers of one ``hpo run``, in ``folder``, appended to line by line.
+
+    Safe to call from one thread per worker."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._lock = threading.Lock()
+        self._unwritten: dict[int, bytes] = {}
+        self._full = False
+
+    def path(self, index: int) -> Path:
+        """The log of worker ``index``: ``<folder>/worker-<index>.log``."""
+        return self._folder / f"worker-{index}.log"
+
+    def write(self, index: int, data: bytes) -> str | None:
+        """Append ``data`` to worker ``index``'s log, after its lines that waited for room; what
+        to say of the disk, if anything: that it is full (said once) or that the logs can be
+        written again. Raises OSError for any other failure to write."""
+        path = self.path(index)
+        with self._lock:
+            data = self._unwritten.pop(index, b"") + data
+            try:
+                with path.open("ab", buffering=0) as log:
+                    while data:
+                        data = data[log.write(data):]  # a write may take part of it
+            except OSError as exc:
+                full = full_disk(path, exc)
+                if full is None:
+                    raise
+                self._unwritten[index] = data
+                told, self._full = self._full, True
+                return None if told else f"hpo: {full}; the workers' output waits for room (the sweep goes on)"
+            if not self._full or self._unwritten:
+                return None
+            self._full = False
+            return f"hpo: the worker logs in {self._folder} can be written again"
+
+    def close(self) -> str | None:
+        """Write what waited for room, where there is some now; what to say of the disk, if
+        anything: as :meth:`write` says, or that lines are still unwritten."""
+        said = None
+        for index in list(self._unwritten):
+            said = self.write(index, b"")
+        if not self._unwritten:
+            return said
+        names = ", ".join(self.path(index).name for index in sorted(self._unwritten))
+        return f"hpo: the last lines of {names} could not be written: the disk is still full"
+
+
+def notice(index: int, line: str) -> str | None:
+    """``line`` of worker ``index`` as hpo run shows it where it is a notice (``hpo: X`` as
+    ``hpo: worker-1: X``), else None."""
+    for prefix in NOTICE_PREFIXES:
+        if line.startswith(prefix):
+            return f"{prefix}worker-{index}: {line[len(prefix):].rstrip()}"
+    return None
+
+
+def relay(index: int, output: IO[bytes], logs: WorkerLogs, say: Callable[[str], None]) -> threading.Thread:
+    """Start a thread that writes each line of worker ``index``'s ``output`` to its log and
+    says its notices (:func:`notice`) and what the log's disk is like, until the output ends.
+    A log that cannot be written for another reason is said once, and left alone."""
+    def pump() -> None:
+        logged = True
+        for raw in iter(output.readline, b""):
+            disk = None
+            if logged:
+                try:
+                    disk = logs.write(index, raw)
+                except OSError as exc:  # the output is still read: a worker whose pipe fills up would block
+                    logged = False
+                    disk = f"hpo: cannot write {logs.path(index)}: {exc.strerror or exc}; worker-{index}'s output is " \
+                           "not logged"
+            for line in filter(None, (disk, notice(index, raw.decode(errors="replace")))):
+                with contextlib.suppress(OSError, SystemExit):  # the screen is gone (rich exits on a closed pipe)
+                    say(line)
+
+    thread = threading.Thread(target=pump, name=f"hpo-worker-{index}-output", daemon=True)
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def relaying(procs: Sequence[subprocess.Popen[bytes]], logs: WorkerLogs, say: Callable[[str], None]) -> Iterator[None]:
+    """Relay the output of the worker processes ``procs`` (:func:`relay`) through the block and
+    on until they end, so that their last lines are logged and said too. Where the block raised
+    (hpo run stops for an error of its own), they are sent SIGTERM first, as they would be once
+    hpo run is gone, and waited for up to :data:`WORKERS_STOP_S`."""
+    relays = [relay(index, proc.stdout, logs, say) for index, proc in enumerate(procs) if proc.stdout]
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        raise
+    finally:
+        deadline = time.monotonic() + WORKERS_STOP_S
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for thread in relays:
+            thread.join(DRAIN_S)
+        said = logs.close()
+        if said:
+            say(said)
+
+
+class PipeToRun(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` of a worker that hpo run started: ``stream``, the pipe
+    that hpo run reads (:func:`relay`), each write sent at once (its lines reach the log and
+    the screen as they are said); nothing once that pipe is broken (hpo run was killed: the
+    worker stops on the signal it gets then, recording its trials, and a write must not cut
+    that short)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream: TextIO | None = stream
+        self._fileno = stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._stream is not None:
+            try:
+                self._stream.write(text)
+                self._stream.flush()
+            except BrokenPipeError:
+                self._stream = None
+        return len(text)
+
+    def fileno(self) -> int:
+        return self._fileno
