@@ -328,7 +328,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
         share = slots[index::workers]
         argv = [sys.executable, "-m", "hpo", "worker", str(ctx.scenario.path), "--storage", ctx.storage,
                 "--workdir", str(ctx.workdir), "--seed", str(ctx.scenario.search.seed + index),
-                "--slots", json.dumps([asdict(slot) for slot in share])]
+                "--slots", json.dumps([asdict(slot) for slot in share]), "--log", str(logs.path(index))]
         if args.allow_space_change:
             argv.append("--allow-space-change")
         if executor:
@@ -369,7 +369,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if _started_by_run(args):
         from hpo.worker_logs import PipeToRun
 
-        sys.stdout, sys.stderr = PipeToRun(sys.stdout), PipeToRun(sys.stderr)
+        log = Path(args.log) if args.log else None
+        sys.stdout, sys.stderr = PipeToRun(sys.stdout, log), PipeToRun(sys.stderr, log)
     ctx = _writing_context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
     executor = _cluster(ctx, args)
@@ -852,6 +853,7 @@ def _worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=_slots, help="task slots of this worker, or auto (default: the scenario's)")
     parser.add_argument("--gpus", help="GPU ids this worker may use, e.g. 0,1")
     parser.add_argument("--slots", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)  # hpo run --workers: the log to write once it is gone
     _cluster_arg(parser)
     _space_arg(parser)
 

@@ -10,7 +10,8 @@ memory and are written once there is room, said in one line when the first is re
 one more when all are written again; any still unwritten when hpo run ends are said in one
 line. hpo run reads its workers' output until they end (:func:`relaying`), so that their last
 lines are kept even where it stops for an error of its own; a worker whose hpo run is gone
-(killed) goes on stopping as the signal it gets then asks, writing nowhere (:class:`PipeToRun`).
+(killed) goes on stopping as the signal it gets then asks, appending its last lines to its log
+itself (:class:`PipeToRun`).
 """
 from __future__ import annotations
 
@@ -142,12 +143,15 @@ def relaying(procs: Sequence[subprocess.Popen[bytes]], logs: WorkerLogs, say: Ca
 class PipeToRun(io.TextIOBase):
     """``sys.stdout`` or ``sys.stderr`` of a worker that hpo run started: ``stream``, the pipe
     that hpo run reads (:func:`relay`), each write sent at once (its lines reach the log and
-    the screen as they are said); nothing once that pipe is broken (hpo run was killed: the
-    worker stops on the signal it gets then, recording its trials, and a write must not cut
-    that short)."""
+    the screen as they are said). Once that pipe is broken (hpo run was killed: the worker
+    stops on the signal it gets then, recording its trials) the lines are appended to ``log``
+    itself, where one is given, and a write that fails there too is dropped: it must not cut
+    the worker's stop short. A line written as hpo run dies may go into the pipe while it is
+    still open, and be lost."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, log: Path | None = None) -> None:
         self._stream: TextIO | None = stream
+        self._log = log
         self._fileno = stream.fileno()
 
     def writable(self) -> bool:
@@ -158,8 +162,12 @@ class PipeToRun(io.TextIOBase):
             try:
                 self._stream.write(text)
                 self._stream.flush()
+                return len(text)
             except BrokenPipeError:
                 self._stream = None
+        if self._log is not None:
+            with contextlib.suppress(OSError), self._log.open("a") as log:
+                log.write(text)
         return len(text)
 
     def fileno(self) -> int:

@@ -51,6 +51,8 @@ def test_workers_stop_together_and_resume(tmp_path: Path, sig: signal.Signals) -
         while any(r["state"] == "RUNNING" for r in rows(path)):
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        for log in (tmp_path / "runs" / "sweep").glob("worker-*.log"):  # written by the worker once its pipe broke
+            assert "\ninterrupted: running trials were recorded INTERRUPTED" in log.read_text(), log.read_text()
     assert not [r for r in rows(path) if r["state"] == "RUNNING"]
     again = hpo("run", str(path), "--workers", "2")
     assert again.returncode == 0, again.stdout + again.stderr
