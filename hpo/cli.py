@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -410,16 +410,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     running = any(row.gpus for row in shown)
     for column in ("trial", "state", *names, scenario.objective.metric, *scenario.objective.held_out, "seconds",
                    *(["GPUs"] if running else []), "reason"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", no_wrap=column in ("trial", "state"))  # COMPLETE, never COMPLET/E
     best = summary.best
-    since = _running_since(ctx, shown)
+    live = _running_trials(ctx, shown)
+    since = _running_since(live)
     for row in shown:
         mark = " *" if best is not None and row.number == best.number else ""
-        seconds = f"{time.time() - since[row.number]:.1f} (running)" if row.number in since else \
-            _number(row.duration_s, ".1f")
+        gone = _worker_gone(ctx, live[row.number]) if row.number in live else None
+        seconds = f"{time.time() - since[row.number]:.1f}{'' if gone else ' (running)'}" if row.number in since \
+            else _number(row.duration_s, ".1f")
+        reason = f"its worker is gone ({gone}): the next hpo run records it LOST" if gone else _reason(row)
         table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
                       _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
-                      seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), _reason(row))
+                      seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), reason)
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
         console.print(table)
@@ -436,29 +439,50 @@ def _status_title(name: str, shown: Sequence[Any], total: int) -> str:
     return f"{name}: trial {first} of {total}" if first == last else f"{name}: trials {first}-{last} of {total}"
 
 
-def _running_since(ctx: Context, rows: Sequence[Any]) -> dict[int, float]:
-    """When the process of each RUNNING one of ``rows`` started (epoch seconds), as its worker
-    recorded it on starting it (``at`` of :data:`hpo.store.SYS_STARTED`; not Optuna's
-    ``datetime_start``, which is when the trial was claimed, perhaps ahead of its slot). A
-    trial claimed but not started is WAITING and has none."""
+def _running_trials(ctx: Context, rows: Sequence[Any]) -> dict[int, Any]:
+    """The Optuna trial of each RUNNING one of ``rows``, by number (read from the store only
+    when there is one: a quiet store's status never imports Optuna)."""
     numbers = [row.number for row in rows if row.state == "RUNNING"]
     if not numbers:
         return {}
+    store = _store(ctx)
+    return {number: store.trial(number) for number in numbers}
+
+
+def _running_since(trials: Mapping[int, Any]) -> dict[int, float]:
+    """When the process of each of the running ``trials`` started (epoch seconds), as its worker
+    recorded it on starting it (``at`` of :data:`hpo.store.SYS_STARTED`; not Optuna's
+    ``datetime_start``, which is when the trial was claimed, perhaps ahead of its slot). A
+    trial claimed but not started is WAITING and has none."""
+    if not trials:
+        return {}
     from hpo.store import SYS_STARTED  # imports Optuna, which a quiet store's status never needs
 
-    store = _store(ctx)
-    starts = {number: (store.trial(number).system_attrs.get(SYS_STARTED) or {}).get("at") for number in numbers}
+    starts = {number: (trial.system_attrs.get(SYS_STARTED) or {}).get("at") for number, trial in trials.items()}
     return {number: float(at) for number, at in starts.items() if isinstance(at, (int, float))}
 
 
+_NOT_A_WORKER = "-"  # no worker's id (host:pid): a command that runs no trial judges others' as a stranger
+
+
+def _worker_gone(ctx: Context, trial: Any, judge_beats: bool = True) -> str | None:
+    """How the worker of the RUNNING ``trial`` is gone (``its process is gone``, ``no heartbeat
+    for 41.0 s``: :func:`hpo.recovery.gone_why`), or None while it is there. Such a trial stays
+    RUNNING in the store, with nothing running it, until a sweep or worker records it LOST.
+    Without ``judge_beats`` only a worker process on this host that no longer exists counts
+    (certain: a silent heartbeat may be a store outage just ended)."""
+    from hpo.recovery import gone_why
+
+    return gone_why(trial, time.time(), ctx.scenario.resources.heartbeat, _NOT_A_WORKER, (), judge_beats)
+
+
 def _reason(row: Any) -> str:
-    """The row's reason, or which trial it runs again."""
-    if row.reason:
-        return row.reason
-    for label, number in (("re-run of", row.requeue_of), ("retry of", row.retry_of), ("rerun of", row.rerun_of)):
-        if number is not None:
-            return f"{label} #{number}"
-    return ""
+    """Which trial the row runs again (``rerun of #2``), then its reason, if it has them
+    (``rerun of #2: exit code 3``): a failed rerun still says what it reran."""
+    again = next((f"{label} #{number}" for label, number in
+                  (("re-run of", row.requeue_of), ("retry of", row.retry_of), ("rerun of", row.rerun_of))
+                  if number is not None), "")
+    return ": ".join(part for part in (again, row.reason) if part)
 
 
 def _param_columns(scenario: Any, rows: Sequence[Any], constants: bool = True) -> list[str]:
@@ -592,7 +616,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    """Follow trial N's log live, like tail -f; ends when the trial ends."""
+    """Follow trial N's log live, like tail -f; ends when the trial ends, or when its worker
+    is found gone (it would never end: one line on stderr says so)."""
+    from optuna.trial import TrialState
+
     from hpo.render import LOG_FILE, trial_folder
 
     ctx = _context(args)
@@ -618,17 +645,31 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
                 continue
-            if not args.follow or store.trial(args.trial).state.is_finished():
+            trial = store.trial(args.trial)
+            gone = _worker_gone(ctx, trial) if trial.state == TrialState.RUNNING else None
+            if not args.follow or trial.state.is_finished() or gone:
                 sys.stdout.buffer.write(handle.read())
                 sys.stdout.flush()
+                if gone:
+                    print(f"hpo: trial {args.trial}'s worker is gone ({gone}): its log ends here; the next hpo run "
+                          "records it LOST", file=sys.stderr)
                 return EXIT_OK
             time.sleep(0.2)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """End trial N early; the worker running it records it as STOPPED."""
+    """End trial N early; the worker running it records it as STOPPED. InputError unless it
+    runs, or where its worker's process on this host is gone: the next sweep records it LOST."""
+    from optuna.trial import TrialState
+
     ctx = _context(args)
-    _store(ctx).request_stop(args.trial)
+    store = _store(ctx)
+    trial = store.trial(args.trial)
+    gone = _worker_gone(ctx, trial, judge_beats=False) if trial.state == TrialState.RUNNING else None
+    if gone:
+        raise InputError(f"trial {args.trial}: its worker is gone ({gone}), so nothing runs it to stop; "
+                         "the next hpo run records it LOST")
+    store.request_stop(args.trial)
     print(f"asked the worker of trial {args.trial} to stop it")
     return EXIT_OK
 

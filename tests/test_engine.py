@@ -130,6 +130,31 @@ def test_kill_9_then_rerun_finishes_exactly_the_budget(tmp_path: Path) -> None:
                          second.stdout, re.MULTILINE), second.stdout
 
 
+def test_status_stop_and_tail_say_a_killed_sweep_s_trial_has_no_worker(tmp_path: Path) -> None:
+    """After kill -9 of the sweep its trial stays RUNNING until the next run: status showed it
+    "(running)", stop said it "asked the worker" (there is none) and exited 0, and tail
+    followed its log for ever."""
+    path = scenario(tmp_path, trials=2, parallel=1, steps=50, pause=0.1)
+    first = hpo_background("run", str(path))
+    wait_for(lambda: len(trial_processes(tmp_path)) == 1)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    wait_for(lambda: not trial_processes(tmp_path), timeout=20)
+    number = running_trials(path)[0]
+    status = hpo("status", str(path))
+    assert status.returncode == 0 and "(running)" not in status.stdout, status.stdout
+    assert "its worker is gone (its process is gone): the next hpo run records it LOST" in status.stdout
+    stop = hpo("stop", str(path), number)
+    assert (stop.returncode, stop.stdout) == (2, ""), stop.stdout
+    assert stop.stderr == (f"error: trial {number}: its worker is gone (its process is gone), so nothing runs it "
+                           "to stop; the next hpo run records it LOST\n")
+    tail = hpo("tail", str(path), number, timeout=20)
+    assert tail.returncode == 0, tail.stderr
+    assert tail.stderr.endswith(f"hpo: trial {number}'s worker is gone (its process is gone): its log ends here; "
+                                "the next hpo run records it LOST\n")
+    assert next(r for r in export(path) if r["number"] == number)["state"] == "RUNNING"
+
+
 def test_kill_9_with_retry_reruns_the_lost_configuration(tmp_path: Path) -> None:
     path = scenario(tmp_path, trials=4, steps=20, pause=0.1, extra="search: {method: monte_carlo, trials: 4, retry_failed: 1}\n")
     first = hpo_background("run", str(path))
