@@ -13,7 +13,8 @@ The objective's axis is chosen from the values (:func:`value_axis`): a log axis 
 span orders of magnitude, an axis clipped to the bulk when a few outliers would squash the
 rest, and the chart says so. The last three charts need two completed trials and a
 parameter that took two values among them; a chart that is not drawn is said once, with
-why, as a warning of the ``hpo.plots`` logger.
+why, as a warning of the ``hpo.plots`` logger, and so is a conditional parameter that only
+some completed trials have, which they leave out.
 """
 from __future__ import annotations
 
@@ -305,6 +306,13 @@ def varying_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> 
     return [n for n in names if len({repr(r.params[n]) for r in done}) > 1]
 
 
+def partial_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
+    """The scenario's parameters that some completed trials have and others lack (a
+    ``condition``): :func:`varying_params` leaves them out, and the charts say so."""
+    done = _completed(rows)
+    return [n for n in parameters if 0 < sum(n in r.params for r in done) < len(done)]
+
+
 def importance_data(study: optuna.Study, params: list[str], metric: str, axis: ValueAxis,
                     seed: int) -> Importances | None:
     """fANOVA importances of ``params`` for ``metric`` as ``axis`` measures it (None if they cannot be had).
@@ -391,8 +399,14 @@ def _draw_values(ax: Axes, data: History, metric: str) -> None:
                         textcoords="offset points", fontsize=8, color="C3")
     best = f" (now {data.best_values[-1]:.4g}, trial {data.best_trial})" if data.best_values else ""
     ax.step(data.numbers, [axis.clip(v) for v in data.best_values], where="post", color="C1", lw=2,
-            label=f"best {metric} so far{best}")
+            label=f"best {metric} so far{best}", **_now_marker(data.numbers))
     ax.set_ylabel(axis.label(metric))
+
+
+def _now_marker(numbers: Sequence[int]) -> dict[str, Any]:
+    """Options of a best-so-far step line that mark its last point, the value its legend calls
+    "now": a line of one completed trial has no length and would not show at all."""
+    return {"marker": "o", "markersize": 4, "markevery": [len(numbers) - 1]} if numbers else {}
 
 
 def _draw_held_out(axes: Mapping[str, Axes], data: History, axis: ValueAxis) -> None:
@@ -402,7 +416,8 @@ def _draw_held_out(axes: Mapping[str, Axes], data: History, axis: ValueAxis) -> 
         apart = name in data.held_out_apart
         ax = axes[HELD_OUT_PANEL + name] if apart else axes["values"]
         ax.step(data.numbers, values if apart else [axis.clip(v) for v in values], where="post",
-                color=f"C{index + 2}", lw=1.5, ls="--", label=f"{name} of the best trial so far, held out{now}")
+                color=f"C{index + 2}", lw=1.5, ls="--", label=f"{name} of the best trial so far, held out{now}",
+                **_now_marker(data.numbers))
         if apart:
             ax.set_ylabel(f"{name} (held out)")
             ax.legend(fontsize=8, loc="best")
@@ -485,8 +500,18 @@ def draw_states(bars: Sequence[StateBar], study: str, path: Path) -> Path:
         ax.grid(axis="y", visible=False)
         ax.set_axisbelow(True)
         ax.set_xlabel("trials")
-        figure.suptitle(f"{study}: how the {_plural(total, 'trial')} ended")
+        figure.suptitle(_states_title(bars, study))
         return _save(figure, path)
+
+
+def _states_title(bars: Sequence[StateBar], study: str) -> str:
+    """``demo: how the 8 trials ended``; with trials still running or waiting, which are not
+    ends, ``demo: the 3 trials by state (1 ended, 2 not yet)``."""
+    total = sum(bar.count for bar in bars)
+    ended = sum(bar.count for bar in bars if bar.outcome.ended)
+    if ended == total:
+        return f"{study}: how the {_plural(total, 'trial')} ended"
+    return f"{study}: the {_plural(total, 'trial')} by state ({ended} ended, {total - ended} not yet)"
 
 
 def draw_importances(data: Importances, study: str, path: Path) -> Path:
@@ -878,6 +903,10 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
     if why is not None:
         logger.warning("importances.png, slice.png and parallel.png not drawn: %s", why)
         return paths
+    partial = partial_params(rows, scenario.parameters)
+    if partial:
+        logger.warning("importances.png, slice.png and parallel.png leave out %s: only some completed trials have "
+                       "%s (a condition)", ", ".join(partial), "it" if len(partial) == 1 else "them")
     assert history.axis is not None
     importances = importance_data(study, params, objective.metric, history.axis, scenario.search.seed)
     if importances is None:

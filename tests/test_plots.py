@@ -41,6 +41,7 @@ DISTRIBUTIONS: dict[str, BaseDistribution] = {
     "dropout": FloatDistribution(0.0, 0.5),
     "lr": FloatDistribution(1e-3, 0.1, log=True),
     "optimizer": CategoricalDistribution(["sgd", "adam"]),
+    "momentum": FloatDistribution(0.5, 0.99),
 }
 PARAMETERS = {
     "nb_filters": Param(type="int", low=8, high=64, log=True),
@@ -386,6 +387,47 @@ def test_charts_that_compare_trials_say_once_why_they_are_not_drawn(
         paths = draw_all(study_of("few", rows), scenario("few", held_out=()), tmp_path, rows=rows)
     assert [p.name for p in paths] == ["history.png", "states.png"]
     assert [r.getMessage() for r in caplog.records] == [f"importances.png, slice.png and parallel.png not drawn: {why}"]
+
+
+def test_the_states_title_does_not_call_running_or_waiting_trials_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [Row(0, "COMPLETE", {"optimizer": "sgd"}, 0.5), Row(1, "RUNNING", {"optimizer": "adam"}),
+            Row(2, "WAITING", {"optimizer": "sgd"})]
+    figures = saved_figures(monkeypatch)
+    draw_all(study_of("slow", rows), scenario("slow", held_out=()), tmp_path, rows=rows)
+    assert figures[1].get_suptitle() == "slow: the 3 trials by state (1 ended, 2 not yet)"
+
+
+def test_charts_say_which_conditional_parameters_they_leave_out(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A parameter that only some completed trials have (a condition) was left out of the
+    importances, slice and parallel charts without a word."""
+    rows = [Row(n, "COMPLETE", {"lr": 0.001 * (n + 1), "optimizer": ("sgd", "adam")[n % 2],
+                                **({"momentum": 0.5 + n / 20} if n % 2 == 0 else {})}, 0.5 - n / 20)
+            for n in range(6)]
+    parameters = {"lr": PARAMETERS["lr"], "optimizer": PARAMETERS["optimizer"],
+                  "momentum": Param(type="float", low=0.5, high=0.99, condition={"optimizer": "sgd"})}
+    conditional = Scenario(name="cond", command=("python", "train.py"), parameters=parameters,
+                           search=Search(method="tpe", trials=6, seed=1),
+                           objective=Objective(metric="val_error", direction="minimize"), path=Path("/p/cond.yaml"))
+    with caplog.at_level("WARNING", logger="hpo.plots"):
+        paths = draw_all(study_of("cond", rows), conditional, tmp_path, rows=rows)
+    assert [p.name for p in paths] == ["history.png", "states.png", "importances.png", "slice.png", "parallel.png"]
+    assert "importances.png, slice.png and parallel.png leave out momentum: only some completed trials have it " \
+           "(a condition)" in [r.getMessage() for r in caplog.records]
+
+
+def test_the_best_so_far_lines_of_one_completed_trial_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step line of one point has no length: the best value and the held-out panel were
+    drawn empty while their legends said "now 0.3686". Each line marks its last point."""
+    rows = [Row(0, "COMPLETE", {"optimizer": "sgd"}, 0.32, {"test_error": 0.37}), Row(1, "RUNNING", {})]
+    figures = saved_figures(monkeypatch)
+    draw_all(study_of("one", rows), scenario("one"), tmp_path, rows=rows)
+    lines = [line for ax in figures[0].axes for line in ax.get_lines() if "so far" in str(line.get_label())]
+    assert len(lines) == 2
+    for line in lines:
+        assert line.get_marker() == "o" and list(line.get_markevery()) == [0]
+        assert list(line.get_xdata()) == [0]
 
 
 def test_failure_reasons_that_tie_are_all_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
