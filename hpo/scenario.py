@@ -595,7 +595,16 @@ def _check_condition(name: str, param: Param, earlier: list[str], params: dict[s
             raise ValueError(f"parameters.{name}.condition: {parent} is not categorical")
         for value in wanted if isinstance(wanted, list) else [wanted]:
             if value not in choices:
-                raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent}")
+                raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent} "
+                                 f"({_yaml(list(choices))}){_bool_hint(value, choices)}")
+
+
+def _bool_hint(value: Any, choices: tuple[Any, ...]) -> str:
+    """Why a condition's string such as ``'on'`` misses choices that YAML read as true/false
+    (``[on, off]`` unquoted), or ``''``."""
+    if isinstance(value, str) and any(isinstance(choice, bool) for choice in choices):
+        return "; YAML reads yes/no, on/off and true/false unquoted as true/false: quote the choices"
+    return ""
 
 
 _PATH_KEYS = ("template", "data_dir", "workdir")

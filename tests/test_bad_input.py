@@ -54,6 +54,10 @@ CASES = {
     "condition-on-unknown-parent": Case(("parameters.y.condition", "zz must be a parameter defined before y"),
                                         {"parameters": {"y": {"type": "float", "low": 0, "high": 1,
                                                               "condition": {"zz": "a"}}}}),
+    "condition-on-choices-yaml-read-as-bools": Case(
+        ("parameters.y.condition", "'on' is not a choice of mode ([true, false])", "quote the choices"),
+        {"parameters": {"mode": {"type": "categorical", "choices": [True, False]},
+                        "y": {"type": "float", "low": 0, "high": 1, "condition": {"mode": "on"}}}}),
     "bad-yaml": Case(("scenario.yaml line 2", "not valid YAML"), raw="name: demo\ncommand: python: train.py\n"),
     "yaml-not-a-mapping": Case(("scenario.yaml", "a YAML mapping", "got list"), raw="- name\n- demo\n"),
     "missing-scenario-file": Case(("nope.yaml", "scenario file not found"), args=("validate", "{dir}/nope.yaml")),

@@ -3,10 +3,16 @@ something (a completed trial, a folder, the study itself), a closed pipe, a shar
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
+import os
+import pty
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,3 +192,48 @@ def test_validate_prints_the_job_script_that_hpo_run_submits_with_its_output_fil
     assert validated.returncode == 0, validated.stderr
     assert f"#SBATCH -o {tmp_path}/w/jobs/dask-worker-%J.out\n" in validated.stdout
     assert not (tmp_path / "w" / "jobs").exists()
+
+
+def test_status_says_a_failed_rerun_is_a_rerun_and_why_it_failed(tmp_path: Path,
+                                                                  write_scenario: WriteScenario) -> None:
+    """The reason column named either the failure or the trial rerun: a failed rerun looked
+    like a new trial that happened to fail."""
+    scenario = write_scenario(tmp_path, search={"trials": 1}, template_text="raise SystemExit({{ 3 }})\n")
+    assert run_hpo("run", scenario).returncode == 0
+    assert "(rerun of 0) FAIL" in run_hpo("rerun", scenario, "0").stdout
+    status = run_hpo("status", scenario)
+    assert status.returncode == 0, status.stderr
+    row = next(line for line in status.stdout.splitlines() if line.startswith("│ 1 "))
+    assert "rerun of #0: exit code 3" in row, status.stdout
+
+
+def test_status_on_a_narrow_terminal_keeps_the_state_whole(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A long parameter value squeezed every column on an 80-column terminal: the state was
+    folded into COMPLET / E. Trial and state keep their width; the long value folds instead."""
+    long_choice = "a_very_long_parameter_value_" * 4
+    scenario = write_scenario(tmp_path, search={"trials": 2},
+                              parameters={"opt": {"type": "categorical", "choices": [long_choice]}},
+                              template_text="import sys\nfrom hpo.results import report\nif {{ x }} > 0.5:\n"
+                                            "    sys.exit('the data shard is missing from the cache folder')\n"
+                                            "report(val_error={{ x }})\n")
+    assert run_hpo("run", scenario).returncode == 0
+    main, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**cli_env(), "TERM": "dumb"}
+    env.pop("COLUMNS", None)
+    status = subprocess.Popen([sys.executable, "-m", "hpo", "status", str(scenario)], env=env, stdout=terminal,
+                              stderr=subprocess.PIPE)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert status.wait(timeout=60) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())
+    assert re.search(r"│ 1 \* +│ COMPLETE │", text), text
