@@ -674,6 +674,18 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _no_best(rows: Sequence[Any]) -> str:
+    """Why a study has no best trial: none completed yet (some run or wait, or none was
+    run), or every trial ended another way (``5 FAIL, 1 TIMEOUT``)."""
+    from collections import Counter
+
+    if not rows or not all(row.outcome.ended for row in rows):
+        return "no completed trial yet"
+    counts = Counter(row.outcome.value for row in rows)
+    ended = ", ".join(f"{count} {state}" for state, count in counts.most_common())
+    return f"no trial completed: all {len(rows)} ended otherwise ({ended}); hpo status gives their reasons"
+
+
 def cmd_best(args: argparse.Namespace) -> int:
     """Print the best trial; --copy-to DIR copies its folder there."""
     from hpo.rows import best_row
@@ -682,9 +694,10 @@ def cmd_best(args: argparse.Namespace) -> int:
     target = _new_folder(Path(args.copy_to), "--copy-to") if args.copy_to else None
     if target is not None and target.exists() and any(target.iterdir()):
         raise InputError(f"--copy-to: {target} exists and is not empty")
-    best = best_row(_snapshot(ctx), ctx.scenario.objective.direction)
+    rows = _snapshot(ctx)
+    best = best_row(rows, ctx.scenario.objective.direction)
     if best is None:
-        raise InputError(f"study {ctx.scenario.name}: no completed trial yet")
+        raise InputError(f"study {ctx.scenario.name}: {_no_best(rows)}")
     created = target is not None and not target.exists()
     if target is not None:
         if not best.folder or not Path(best.folder).is_dir():

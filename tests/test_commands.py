@@ -49,7 +49,8 @@ def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenari
     failing = write_scenario(tmp_path / "failing", template_text="raise SystemExit(3)\n")
     assert run_hpo("run", failing).returncode == 0
     none = run_hpo("best", failing)
-    assert (none.returncode, none.stderr) == (2, "error: study demo: no completed trial yet\n")
+    assert (none.returncode, none.stderr) == (2, ("error: study demo: no trial completed: all 2 ended otherwise "
+                                                  "(2 FAIL); hpo status gives their reasons\n"))
     scenario = write_scenario(tmp_path / "gone")
     assert run_hpo("run", scenario).returncode == 0
     for folder in (tmp_path / "gone" / "runs" / "demo").glob("trial-*"):
