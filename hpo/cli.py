@@ -419,7 +419,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         gone = _worker_gone(ctx, live[row.number]) if row.number in live else None
         seconds = f"{time.time() - since[row.number]:.1f}{'' if gone else ' (running)'}" if row.number in since \
             else _number(row.duration_s, ".1f")
-        reason = f"its worker is gone ({gone}): the next hpo run records it LOST" if gone else _reason(row)
+        reason = f"its worker is gone ({gone}): {_RECORDED_LATER}" if gone else _reason(row)
         table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
                       _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
                       seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), reason)
@@ -463,17 +463,18 @@ def _running_since(trials: Mapping[int, Any]) -> dict[int, float]:
 
 
 _NOT_A_WORKER = "-"  # no worker's id (host:pid): a command that runs no trial judges others' as a stranger
+_RECORDED_LATER = "the next sweep or worker on this study records how it ended"
 
 
-def _worker_gone(ctx: Context, trial: Any, judge_beats: bool = True) -> str | None:
-    """How the worker of the RUNNING ``trial`` is gone (``its process is gone``, ``no heartbeat
-    for 41.0 s``: :func:`hpo.recovery.gone_why`), or None while it is there. Such a trial stays
-    RUNNING in the store, with nothing running it, until a sweep or worker records it LOST.
-    Without ``judge_beats`` only a worker process on this host that no longer exists counts
-    (certain: a silent heartbeat may be a store outage just ended)."""
+def _worker_gone(ctx: Context, trial: Any) -> str | None:
+    """How the worker of the RUNNING ``trial`` is gone (``its process is gone``), or None while
+    it may be there. Such a trial stays RUNNING in the store, with nothing running it, until a
+    sweep or worker records how it ended (LOST, or the result its folder holds). Only a worker
+    process on this host that no longer exists counts: a silent heartbeat may be a store
+    outage just ended, or another machine's clock (:func:`hpo.recovery.gone_why`)."""
     from hpo.recovery import gone_why
 
-    return gone_why(trial, time.time(), ctx.scenario.resources.heartbeat, _NOT_A_WORKER, (), judge_beats)
+    return gone_why(trial, time.time(), ctx.scenario.resources.heartbeat, _NOT_A_WORKER, (), False)
 
 
 def _reason(row: Any) -> str:
@@ -651,24 +652,24 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 sys.stdout.buffer.write(handle.read())
                 sys.stdout.flush()
                 if gone:
-                    print(f"hpo: trial {args.trial}'s worker is gone ({gone}): its log ends here; the next hpo run "
-                          "records it LOST", file=sys.stderr)
+                    print(f"hpo: trial {args.trial}'s worker is gone ({gone}): its log ends here; {_RECORDED_LATER}",
+                          file=sys.stderr)
                 return EXIT_OK
             time.sleep(0.2)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
     """End trial N early; the worker running it records it as STOPPED. InputError unless it
-    runs, or where its worker's process on this host is gone: the next sweep records it LOST."""
+    runs, or where its worker's process on this host is gone (:func:`_worker_gone`)."""
     from optuna.trial import TrialState
 
     ctx = _context(args)
     store = _store(ctx)
     trial = store.trial(args.trial)
-    gone = _worker_gone(ctx, trial, judge_beats=False) if trial.state == TrialState.RUNNING else None
+    gone = _worker_gone(ctx, trial) if trial.state == TrialState.RUNNING else None
     if gone:
         raise InputError(f"trial {args.trial}: its worker is gone ({gone}), so nothing runs it to stop; "
-                         "the next hpo run records it LOST")
+                         f"{_RECORDED_LATER}")
     store.request_stop(args.trial)
     print(f"asked the worker of trial {args.trial} to stop it")
     return EXIT_OK

@@ -143,15 +143,16 @@ def test_status_stop_and_tail_say_a_killed_sweep_s_trial_has_no_worker(tmp_path:
     number = running_trials(path)[0]
     status = hpo("status", str(path))
     assert status.returncode == 0 and "(running)" not in status.stdout, status.stdout
-    assert "its worker is gone (its process is gone): the next hpo run records it LOST" in status.stdout
+    assert ("its worker is gone (its process is gone): the next sweep or worker on this study records how it "
+            "ended") in status.stdout, status.stdout
     stop = hpo("stop", str(path), number)
     assert (stop.returncode, stop.stdout) == (2, ""), stop.stdout
     assert stop.stderr == (f"error: trial {number}: its worker is gone (its process is gone), so nothing runs it "
-                           "to stop; the next hpo run records it LOST\n")
+                           "to stop; the next sweep or worker on this study records how it ended\n")
     tail = hpo("tail", str(path), number, timeout=20)
     assert tail.returncode == 0, tail.stderr
     assert tail.stderr.endswith(f"hpo: trial {number}'s worker is gone (its process is gone): its log ends here; "
-                                "the next hpo run records it LOST\n")
+                                "the next sweep or worker on this study records how it ended\n")
     assert next(r for r in export(path) if r["number"] == number)["state"] == "RUNNING"
 
 
