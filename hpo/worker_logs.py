@@ -6,7 +6,7 @@ that begin ``hpo: `` or ``error: `` (what it waits for, what went wrong), reach 
 screen too, marked with the worker's name (``hpo: worker-1: no Dask worker ...``).
 
 A log whose disk is full is no fault of the sweep, and stops no worker: its lines wait in
-memory and are written once there is room, said in one line when the first is refused and in
+memory (the newest :data:`UNWRITTEN_BYTES` of each worker's) and are written once there is room, said in one line when the first is refused and in
 one more when all are written again; any still unwritten when hpo run ends are said in one
 line. hpo run reads its workers' output until they end (:func:`relaying`), so that their last
 lines are kept even where it stops for an error of its own; a worker whose hpo run is gone
@@ -28,6 +28,7 @@ from hpo.render import full_disk
 
 NOTICE_PREFIXES = ("hpo: ", "error: ")
 WORKERS_STOP_S = 60.0  # how long hpo run, stopping for an error of its own, waits for its workers to stop
+UNWRITTEN_BYTES = 1 << 20  # the most of a worker's output kept in memory while its log's disk is full
 DRAIN_S = 5.0  # how long the output of a worker that ended is read on (a process it started may hold it open)
 
 
@@ -40,6 +41,7 @@ class WorkerLogs:
         self._folder = folder
         self._lock = threading.Lock()
         self._unwritten: dict[int, bytes] = {}
+        self._dropped = 0
         self._full = False
 
     def path(self, index: int) -> Path:
@@ -59,15 +61,21 @@ class WorkerLogs:
                         data = data[log.write(data):]  # a write may take part of it
             except OSError as exc:
                 full = full_disk(path, exc)
+                if full is not None and len(data) > UNWRITTEN_BYTES:  # the oldest lines go first
+                    self._dropped += len(data) - UNWRITTEN_BYTES
+                    data = data[-UNWRITTEN_BYTES:]
+                self._unwritten[index] = data
                 if full is None:
                     raise
-                self._unwritten[index] = data
                 told, self._full = self._full, True
                 return None if told else f"hpo: {full}; the workers' output waits for room (the sweep goes on)"
             if not self._full or self._unwritten:
                 return None
             self._full = False
-            return f"hpo: the worker logs in {self._folder} can be written again"
+            dropped, self._dropped = self._dropped, 0
+            lost = f" ({dropped} bytes of their output, the oldest, could not wait: they are not in them)" \
+                if dropped else ""
+            return f"hpo: the worker logs in {self._folder} can be written again{lost}"
 
     def close(self) -> str | None:
         """Write what waited for room, where there is some now; what to say of the disk, if

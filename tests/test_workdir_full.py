@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import Disk, cli_env, run_hpo
 
 from hpo.engine import _FullFolders
@@ -265,3 +266,26 @@ def test_an_outage_of_the_dask_workers_folders_ends_naming_them_not_this_machine
                               where="the Dask workers' trial folders"))
     folders.written(1)
     assert len(said) == 2 and said[1].startswith("the Dask workers' trial folders can be written again after "), said
+
+
+def test_worker_output_kept_for_a_full_disk_is_bounded_and_says_what_it_dropped(
+        disk: Disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that stays full through a long sweep: each worker's output waits in memory only up
+    to :data:`hpo.worker_logs.UNWRITTEN_BYTES` (the newest lines), and the line that says the
+    logs are written again says how much did not wait."""
+    from hpo import worker_logs
+
+    kept = 64 * 1024
+    monkeypatch.setattr(worker_logs, "UNWRITTEN_BYTES", kept)
+    logs = worker_logs.WorkerLogs(disk.mount)
+    disk.fill()
+    lines = 2 * kept // 13
+    said = [logs.write(0, f"line {i:07d}\n".encode()) for i in range(lines)]
+    assert said[0] is not None and said[0].startswith(f"hpo: cannot write {disk.mount}/worker-0.log") \
+        and not any(said[1:])
+    disk.free()
+    again = logs.write(0, b"last\n")
+    assert again == (f"hpo: the worker logs in {disk.mount} can be written again ({lines * 13 - kept} bytes of "
+                     "their output, the oldest, could not wait: they are not in them)")
+    text = logs.path(0).read_bytes()
+    assert len(text) == kept + len(b"last\n") and text.endswith(f"line {lines - 1:07d}\nlast\n".encode())
