@@ -25,7 +25,7 @@ trial, and is waited out as the store's full disk is (:class:`hpo.storage.Retryi
 one line naming the file and the room left, and in one more once a folder is written again.
 A trial whose files cannot be written keeps its claim and is tried again, with backoff; one
 whose log cannot be written is ended at once and recorded INTERRUPTED (it runs again, but
-the third time in a row that its files so fill the disk it is recorded FAIL, as a configuration
+the third time (across its re-runs) that its files so fill the disk it is recorded FAIL, as a configuration
 lost that often is: :data:`hpo.scheduler.RUN_AGAIN_LIMIT`); one whose ``result.json`` cannot be
 written is recorded as it ended (that file is the store's backup). Waiting, not stopping at
 once, lets the trials of other slots run on while the user frees space, as they do through a

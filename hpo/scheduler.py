@@ -90,7 +90,7 @@ def requeue(store: StudyStore, row: TrialRow, rows: list[TrialRow], **attrs: Any
 
 
 RUN_AGAIN_LIMIT = 3
-"""A configuration whose trial ended this many times in a row for a cause that is no failure of
+"""A configuration whose trial ended this many times (across its re-runs) for a cause that is no failure of
 its own yet may be its own doing is recorded FAIL instead of being queued again, so nothing
 loops: it was lost (it kills its worker: out of memory, a job's walltime), counted in
 ``lost_count``, or its files filled the disk, counted in ``disk_full_count``."""
@@ -99,7 +99,7 @@ LOST_TOO_OFTEN = f"lost {RUN_AGAIN_LIMIT} times: its worker stopped each time (o
 
 def run_again_verdict(row: TrialRow, result: TrialResult, filled: FolderFull | None = None) -> TrialResult:
     """``result`` of ``row``'s trial as it is, or FAIL where it makes :data:`RUN_AGAIN_LIMIT`
-    times in a row that its configuration was LOST (:data:`LOST_TOO_OFTEN`) or, ``filled`` given
+    times (across its re-runs) that its configuration was LOST (:data:`LOST_TOO_OFTEN`) or, ``filled`` given
     (the trial ended INTERRUPTED because its files found the disk full), that its files filled
     the disk (``its files filled the disk 3 times: cannot write ...``)."""
     if result.outcome is Outcome.LOST and row.lost_count + 1 >= RUN_AGAIN_LIMIT:

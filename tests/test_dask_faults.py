@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -197,7 +198,7 @@ def test_a_prune_reaches_its_dask_trial_within_a_round_trip(scratch_executor: Da
         stamps = [float(line.split()[1]) for line in (spec.folder / LOG_FILE).read_text().splitlines()
                   if line.startswith("at ")]
         late.append(max(stamps) - control.judged_at)
-    assert max(late) < 0.25, late
+    assert statistics.median(late) < 0.15 and max(late) < 0.6, late  # polling every 0.5 s: a median near 0.25
 
 
 def free_port() -> int:
