@@ -40,7 +40,9 @@ is the worker's, as a full trial folder is the sweep's on this machine
 (:class:`hpo.render.FolderFull`): said in one line that names the worker, the file and the
 room left, measured on the worker, and once more when a trial runs there again. Only that
 worker's trials are affected: one refused before it started runs at once on another worker,
-one whose log was refused is INTERRUPTED (it runs again), and trials are kept off the worker
+one whose log was refused is INTERRUPTED (it runs again; the sweep is told with a
+:class:`~hpo.render.FolderFull` that names the worker's folders, and counts it, as for its
+own folders: the third time it is FAIL), and trials are kept off the worker
 for a while, then tried there again. Where every worker that can run a trial is full, the
 sweep waits for room as for its own full disk.
 
@@ -515,7 +517,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     A full disk of the worker's own is said in :attr:`TaskReport.full`: a trial whose folder
     or log it refuses before the trial starts does not start (its scratch folder is
     removed); one whose log or ``result.json`` it refuses later ends as
-    :func:`~hpo.executor.run_trial` ends it then (INTERRUPTED, or as it ended).
+    :func:`~hpo.executor.run_trial` ends it then (INTERRUPTED, its scratch folder removed: it
+    runs again; or as it ended).
     """
     worker = get_worker()
     client = get_client()
@@ -564,6 +567,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
             refused = TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {full}; it runs again")
             return TaskReport(refused, worker.address, gpus, shared, started=False, full=full,
                               label=worker_label(worker))
+        if full and not shared and result.outcome is Outcome.INTERRUPTED:  # its log refused: it runs again, so
+            shutil.rmtree(folder, ignore_errors=True)  # what it wrote here (a runaway checkpoint) goes
         if result.outcome is Outcome.INTERRUPTED and courier.cause is not None and not full:  # not the sweep's request
             result = TrialResult(Outcome.LOST, duration_s=result.duration_s, reason=f"lost: {courier.cause}")
             try:
@@ -1206,7 +1211,10 @@ class _Following:
             self._note(f"hpo: {result.reason}\n")
         elif report.shared and result == report.result and not report.full:  # the worker wrote it into the folder
             return result
-        return save_result(self._spec.folder, self._spec.number, result)
+        saved = save_result(self._spec.folder, self._spec.number, result)
+        if report.full and saved.outcome is Outcome.INTERRUPTED:  # the sweep counts it (a third time: FAIL)
+            raise FolderFull(report.full, saved, where=f"the trial folders of {report.label}")
+        return saved
 
     def _gone(self, message: str) -> SchedulerGone:
         """The scheduler is gone, with how the trial ended as far as this side can tell. A

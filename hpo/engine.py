@@ -524,12 +524,14 @@ class Sweep:
     def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
         """Whether ``claim`` is to be run again after ``full``: its files could not be written
         (it never started) and its slot waited ``pause_s`` for room. False where it started or
-        ended (the outage is noted, and so is ``full`` as the end of a trial that started, unless it
+        ended (the outage is noted, unless it is a Dask worker's own disk that ended the trial,
+        which its executor said, and so is ``full`` as the end of a trial that started, unless it
         ended otherwise or the sweep stops: :meth:`_verdict`), or once the sweep stops, the wait's
         deadline included."""
         started = not self._never_started(claim, None)
         if full.result is not None or started:
-            self._full.failed(full)
+            if full.where is None or full.result is None:  # a Dask worker's own disk is no outage of the sweep's
+                self._full.failed(full)
             ended_by_it = full.result is None or full.result.outcome is Outcome.INTERRUPTED
             with self._lock:
                 running = self._running.get(claim.number)

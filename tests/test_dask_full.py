@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,7 +121,8 @@ print("val_error=0.5", flush=True)
 
 def test_a_trial_that_fills_its_workers_disk_is_interrupted_and_names_the_worker(tmp_path: Path, disk: Disk) -> None:
     """Its log refused, the trial ends INTERRUPTED (it runs again), its reason naming the worker
-    and the room on the worker's disk; trials are kept off that worker from then on."""
+    and the room on the worker's disk, told to the sweep as a full disk that ended it (so it is
+    counted); trials are kept off that worker from then on."""
     dask = LocalDask(tmp_path / "dask")
     said: list[str] = []
     try:
@@ -128,7 +130,10 @@ def test_a_trial_that_fills_its_workers_disk_is_interrupted_and_names_the_worker
         executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
                                 shared=False, scheduler_lost_s=10, say=said.append)
         try:
-            result = executor.run(trial_spec(tmp_path / "a", FILLS.format(mount=str(disk.mount)), "fills"), Control())
+            with pytest.raises(FolderFull) as filled:  # the sweep counts it: the third time, FAIL
+                executor.run(trial_spec(tmp_path / "a", FILLS.format(mount=str(disk.mount)), "fills"), Control())
+            result = filled.value.result
+            assert filled.value.where == f"the trial folders of Dask worker {full} (full, host {socket.gethostname()})"
             with pytest.raises(FolderFull, match="no other Dask worker can run the trial"):
                 executor.run(trial_spec(tmp_path / "b", "print('val_error=0.5')\n", "next"), Control())
         finally:
@@ -141,3 +146,29 @@ def test_a_trial_that_fills_its_workers_disk_is_interrupted_and_names_the_worker
                                                                    result.reason), result
     assert len(said) == 1 and re.fullmatch(rf"hpo: {line}; free space there: meanwhile no trial goes to that worker",
                                            said[0]), said
+
+
+def test_a_dask_trial_that_fills_its_workers_disk_each_time_fails_the_third_time(
+        tmp_path: Path, disk: Disk, write_scenario: WriteScenario) -> None:
+    """As on this machine (:data:`hpo.scheduler.RUN_AGAIN_LIMIT`): the worker's disk that the
+    trial fills each time it runs (its scratch folder is removed, so there is room again) is
+    counted, and the third time the configuration is FAIL (meanwhile the sweep waits, as the
+    only worker is kept off for a while after each refusal)."""
+    dask = LocalDask(tmp_path / "dask")
+    try:
+        dask.worker("full", 1, scratch=disk.mount)
+        path = write_scenario(tmp_path / "s", template_text=FILLS.format(mount=str(disk.mount)).replace(
+                                  "0.5", "{{ x }}"),
+                              search={"trials": 1, "seed": 3}, parameters={"x": {"type": "float", "low": 0.0,
+                                                                                  "high": 1.0}},
+                              resources={"timeout": 60, "store_retry": 30})
+        said: list[str] = []
+        executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False),
+                                load_scenario(path).resources, offered=(), shared=False, scheduler_lost_s=10,
+                                say=said.append)
+        sweep = run_sweep(path, executor)
+    finally:
+        dask.close()
+    rows = sweep.store.rows()
+    assert [row.outcome for row in rows] == [Outcome.INTERRUPTED, Outcome.INTERRUPTED, Outcome.FAIL], rows
+    assert rows[2].reason.startswith("its files filled the disk 3 times: Dask worker "), rows[2].reason
