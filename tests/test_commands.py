@@ -238,3 +238,20 @@ def test_status_on_a_narrow_terminal_keeps_the_state_whole(tmp_path: Path, write
     assert status.wait(timeout=60) == 0
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())
     assert re.search(r"│ 1 \* +│ COMPLETE │", text), text
+
+
+def test_status_names_each_kind_of_repeat_as_its_csv_column_does() -> None:
+    """A configuration queued again (lost, interrupted), retried after a failure and rerun by
+    hand read apart in status as in the CSV (``requeue_of``, ``retry_of``, ``rerun_of``); a
+    failed one keeps its reason after what it repeats."""
+    from hpo.cli import _reason
+    from hpo.outcome import Outcome
+    from hpo.rows import TrialRow
+
+    def row(reason: str = "", **repeat: int) -> TrialRow:
+        return TrialRow(7, Outcome.FAIL if reason else Outcome.COMPLETE, {}, None, {}, 1.0, "", reason, **repeat)
+
+    assert _reason(row(requeue_of=4)) == "requeue of #4"
+    assert _reason(row(retry_of=4)) == "retry of #4"
+    assert _reason(row("exit code 3", rerun_of=4)) == "rerun of #4: exit code 3"
+    assert _reason(row("exit code 3")) == "exit code 3"
