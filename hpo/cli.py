@@ -323,23 +323,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     sweep.prepare()
     ctx.workdir.mkdir(parents=True, exist_ok=True)
     logs = WorkerLogs(ctx.workdir)
-    procs = []
-    for index in range(workers):
-        share = slots[index::workers]
-        argv = [sys.executable, "-m", "hpo", "worker", str(ctx.scenario.path), "--storage", ctx.storage,
-                "--workdir", str(ctx.workdir), "--seed", str(ctx.scenario.search.seed + index),
-                "--slots", json.dumps([asdict(slot) for slot in share]), "--log", str(logs.path(index))]
-        if args.allow_space_change:
-            argv.append("--allow-space-change")
-        if executor:
-            argv += ["--cluster", executor.address]
-        said = logs.write(index, f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                                 f"{describe_plan(share)}\n".encode())
-        if said:
-            print(said, flush=True)
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
-    print(f"started {workers} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log)", flush=True)
+    procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int) -> None:
         for proc in procs:
@@ -347,11 +331,30 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
                 proc.send_signal(signum)
 
     signals = _Signals(forward)
-    with signals.installed():
-        with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view, \
-                relaying(procs, logs, view.note):
+    with signals.installed(), relaying(procs, logs, lambda line: print(line, flush=True)) as relays:
+        for index in range(workers):
+            if signals.signum is not None:  # stopped while the workers start: start no more
+                break
+            share = slots[index::workers]
+            argv = [sys.executable, "-m", "hpo", "worker", str(ctx.scenario.path), "--storage", ctx.storage,
+                    "--workdir", str(ctx.workdir), "--seed", str(ctx.scenario.search.seed + index),
+                    "--slots", json.dumps([asdict(slot) for slot in share]), "--log", str(logs.path(index))]
+            if args.allow_space_change:
+                argv.append("--allow-space-change")
+            if executor:
+                argv += ["--cluster", executor.address]
+            said = logs.write(index, f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                                     f"{describe_plan(share)}\n".encode())
+            if said:
+                print(said, flush=True)
+            relays.add(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
+        print(f"started {len(procs)} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log)", flush=True)
+        with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view:
+            relays.say = view.note
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
-        codes = [proc.wait() for proc in procs]
+    codes = [proc.wait() for proc in procs]
     code = signals.exit_code()
     if code is not None:
         return code

@@ -20,7 +20,7 @@ import io
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -122,15 +122,35 @@ def relay(index: int, output: IO[bytes], logs: WorkerLogs, say: Callable[[str], 
     return thread
 
 
+class Relays:
+    """The relays of the workers of one hpo run (:func:`relaying`): each worker's output is
+    read from the moment it is added, so that none blocks on a full pipe while hpo run starts
+    the others or first reads the store. ``say`` may be replaced (by the progress view's,
+    once it shows); each line is said through the one set then."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], logs: WorkerLogs, say: Callable[[str], None]) -> None:
+        self.procs = procs
+        self.say = say
+        self._logs = logs
+        self.threads: list[threading.Thread] = []
+
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
+        """Relay ``proc``, the next worker (:func:`relay`), from now on."""
+        self.procs.append(proc)
+        if proc.stdout:
+            self.threads.append(relay(len(self.procs) - 1, proc.stdout, self._logs, lambda line: self.say(line)))
+
+
 @contextlib.contextmanager
-def relaying(procs: Sequence[subprocess.Popen[bytes]], logs: WorkerLogs, say: Callable[[str], None]) -> Iterator[None]:
-    """Relay the output of the worker processes ``procs`` (:func:`relay`) through the block and
-    on until they end, so that their last lines are logged and said too. Where the block raised
-    (hpo run stops for an error of its own), they are sent SIGTERM first, as they would be once
-    hpo run is gone, and waited for up to :data:`WORKERS_STOP_S`."""
-    relays = [relay(index, proc.stdout, logs, say) for index, proc in enumerate(procs) if proc.stdout]
+def relaying(procs: list[subprocess.Popen[bytes]], logs: WorkerLogs, say: Callable[[str], None]) -> Iterator[Relays]:
+    """Relay the output of the worker processes added to the :class:`Relays` (and to ``procs``)
+    through the block and on until they end, so that their last lines are logged and said too.
+    Where the block raised (hpo run stops for an error of its own, or a worker could not
+    start), they are sent SIGTERM first, as they would be once hpo run is gone, and waited for
+    up to :data:`WORKERS_STOP_S`."""
+    relays = Relays(procs, logs, say)
     try:
-        yield
+        yield relays
     except BaseException:
         for proc in procs:
             if proc.poll() is None:
@@ -141,11 +161,11 @@ def relaying(procs: Sequence[subprocess.Popen[bytes]], logs: WorkerLogs, say: Ca
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
-        for thread in relays:
+        for thread in relays.threads:
             thread.join(DRAIN_S)
         said = logs.close()
         if said:
-            say(said)
+            relays.say(said)
 
 
 class PipeToRun(io.TextIOBase):

@@ -48,3 +48,20 @@ def test_a_dask_wait_of_a_worker_reaches_the_screen_once(tmp_path: Path, write_s
     assert err.count("SIGINT") == 1 and "worker-" not in err, err
     logs = "".join(log.read_text() for log in (tmp_path / "runs" / "demo").glob("worker-*.log"))
     assert logs.count("no Dask worker") == len(said) and "SIGINT: ending running trials" in logs, logs
+
+
+def test_a_worker_is_read_from_the_moment_it_is_added_not_once_every_worker_runs(tmp_path: Path) -> None:
+    """hpo run starts its workers, then reads the store (through an outage, for minutes): a
+    worker that writes more than a pipe holds meanwhile must not block. Its output is read
+    from its start, logged whole, and its notices said."""
+    from hpo.worker_logs import WorkerLogs, relaying
+
+    said: list[str] = []
+    logs = WorkerLogs(tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    with relaying(procs, logs, said.append) as relays:
+        relays.add(subprocess.Popen([sys.executable, "-c", "print('x' * 200_000); print('hpo: a notice')"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        assert procs[0].wait(timeout=20) == 0  # a pipe holds 64 KiB: unread, the worker would block here
+    assert said == ["hpo: worker-0: a notice"]
+    assert logs.path(0).read_text() == "x" * 200_000 + "\nhpo: a notice\n"
