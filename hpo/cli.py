@@ -346,7 +346,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
             said = logs.write(index, f"--- hpo worker {index} started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                                      f"{describe_plan(share)}\n".encode())
             if said:
-                print(said, flush=True)
+                relays.say(said)
             relays.add(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
@@ -470,13 +470,17 @@ _RECORDED_LATER = "the next sweep or worker on this study records how it ended"
 
 
 def _worker_gone(ctx: Context, trial: Any) -> str | None:
-    """How the worker of the RUNNING ``trial`` is gone (``its process is gone``), or None while
-    it may be there. Such a trial stays RUNNING in the store, with nothing running it, until a
+    """How the worker of ``trial``, if RUNNING, is gone (``its process is gone``), or None while
+    it may be there (or the trial does not run). Such a trial stays RUNNING in the store, with nothing running it, until a
     sweep or worker records how it ended (LOST, or the result its folder holds). Only a worker
     process on this host that no longer exists counts: a silent heartbeat may be a store
     outage just ended, or another machine's clock (:func:`hpo.recovery.gone_why`)."""
+    from optuna.trial import TrialState
+
     from hpo.recovery import gone_why
 
+    if trial.state != TrialState.RUNNING:
+        return None
     return gone_why(trial, time.time(), ctx.scenario.resources.heartbeat, _NOT_A_WORKER, (), False)
 
 
@@ -622,8 +626,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     """Follow trial N's log live, like tail -f; ends when the trial ends, or when its worker
     is found gone (it would never end: one line on stderr says so)."""
-    from optuna.trial import TrialState
-
     from hpo.render import LOG_FILE, trial_folder
 
     ctx = _context(args)
@@ -650,7 +652,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 continue
             trial = store.trial(args.trial)
-            gone = _worker_gone(ctx, trial) if trial.state == TrialState.RUNNING else None
+            gone = _worker_gone(ctx, trial)
             if not args.follow or trial.state.is_finished() or gone:
                 sys.stdout.buffer.write(handle.read())
                 sys.stdout.flush()
@@ -664,12 +666,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     """End trial N early; the worker running it records it as STOPPED. InputError unless it
     runs, or where its worker's process on this host is gone (:func:`_worker_gone`)."""
-    from optuna.trial import TrialState
-
     ctx = _context(args)
     store = _store(ctx)
-    trial = store.trial(args.trial)
-    gone = _worker_gone(ctx, trial) if trial.state == TrialState.RUNNING else None
+    gone = _worker_gone(ctx, store.trial(args.trial))
     if gone:
         raise InputError(f"trial {args.trial}: its worker is gone ({gone}), so nothing runs it to stop; "
                          f"{_RECORDED_LATER}")
