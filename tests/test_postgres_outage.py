@@ -1,17 +1,20 @@
 """A PostgreSQL server restarted and stopped under a 2-worker sweep: nothing lost, nothing doubled.
 
-The test creates a private cluster of its own (Debian's ``pg_createcluster <version> hpotest
--p 5433``), stops and starts it with ``pg_ctlcluster``, and removes it at the end, so the
-shared server other tests use is never stopped. It needs Debian's PostgreSQL server
+The test creates a private cluster of its own (Debian's ``pg_createcluster``, named for this
+process, on a port free when the module is loaded), stops and starts it with ``pg_ctlcluster``,
+and removes it at the end, so the shared server other tests use is never stopped, and no other
+run of the suite on the machine can start or stop this one. It needs Debian's PostgreSQL server
 packages and root (CI has both); elsewhere it is skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -29,8 +32,22 @@ from hpo.errors import InputError
 from hpo.scenario import load_scenario
 from hpo.store import StudyStore
 
-CLUSTER, PORT = "hpotest", 5433
-URL = f"postgresql://hpo:hpo@127.0.0.1:{PORT}/hpo"
+
+def _free_port() -> int:
+    """The first port from 5433 that nothing listens on: below the ephemeral range, so no
+    process that binds port 0 (a Dask scheduler) takes it while the cluster is stopped."""
+    for port in range(5433, 5533):
+        with contextlib.closing(socket.socket()) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 5433-5532")
+
+
+CLUSTER = f"hpotest-{os.getpid()}"
+PORT, URL = 0, ""  # set by the fixture server, on a port free when it starts
 TRIALS = 30
 
 
@@ -45,10 +62,13 @@ def _psql(sql: str, database: str = "postgres") -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    """A private PostgreSQL cluster on port 5433 with role and database ``hpo``; dropped afterwards."""
+    """A private PostgreSQL cluster on :data:`PORT` with role and database ``hpo``; dropped afterwards."""
     if os.geteuid() != 0 or not shutil.which("pg_createcluster") or not Path("/usr/lib/postgresql").is_dir():
         pytest.skip("needs root and Debian's PostgreSQL server packages")
+    global PORT, URL
     version = max(os.listdir("/usr/lib/postgresql"), key=lambda v: [int(p) for p in v.split(".")])
+    PORT = _free_port()
+    URL = f"postgresql://hpo:hpo@127.0.0.1:{PORT}/hpo"
     _pg("pg_dropcluster", version, CLUSTER, "--stop")
     created = _pg("pg_createcluster", version, CLUSTER, "-p", str(PORT), "--start")
     assert created.returncode == 0, created.stderr
@@ -152,7 +172,7 @@ def test_an_outage_past_store_retry_stops_with_one_line_and_resumes(server: str,
     assert run.returncode == 1, out
     assert "Traceback" not in out
     logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
-    assert "error: the store postgresql://hpo:***@127.0.0.1:5433/hpo has not answered for" in logs
+    assert f"error: the store postgresql://hpo:***@127.0.0.1:{PORT}/hpo has not answered for" in logs
     again = subprocess.run([sys.executable, "-m", "hpo", "run", str(path), "--storage", URL], env=cli_env(),
                            capture_output=True, text=True, timeout=180, check=False)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -2,6 +2,7 @@
 of stops, and a worker paused past its heartbeat."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -62,14 +63,18 @@ def test_workers_stop_together_and_resume(tmp_path: Path, sig: signal.Signals) -
 
 
 def started_trial(path: Path) -> tuple[int, int] | None:
-    """A started trial of the study and its worker's pid, if one runs."""
+    """A trial of the study whose process runs, and its worker's pid, if there is one (the
+    worker records the start just before it starts the process)."""
     try:
         store = StudyStore(load_scenario(path), f"sqlite:///{path.parent}/runs/sweep/study.db", create=False)
     except InputError:
         return None
     for trial in store.trials(states=(TrialState.RUNNING,)):
         if SYS_STARTED in trial.system_attrs:
-            return trial.number, int(str(run_info(trial)["worker"]).rpartition(":")[2])
+            pid = int(str(run_info(trial)["worker"]).rpartition(":")[2])
+            with contextlib.suppress(psutil.Error):
+                if any("trial.py" in child.cmdline() for child in psutil.Process(pid).children(recursive=True)):
+                    return trial.number, pid
     return None
 
 
