@@ -295,7 +295,16 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the sweep to the end (resumable); --workers K runs K optimizer processes."""
+    """Run the sweep to the end (resumable); --workers K runs K optimizer processes. Output
+    redirected to a file whose disk fills is dropped, not fatal (:mod:`hpo.worker_logs`)."""
+    from hpo.worker_logs import output_dropped_while_full
+
+    with output_dropped_while_full():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The sweep, or its workers (see :func:`cmd_run`)."""
     ctx = _writing_context(args)
     executor = _cluster(ctx, args)
     slots = executor.plan(at_least=args.workers) if executor else _plan(ctx, at_least=args.workers)
@@ -367,13 +376,20 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
+    from hpo.worker_logs import PipeToRun, output_dropped_while_full
+
+    if not _started_by_run(args):
+        with output_dropped_while_full():
+            return _work(args)
+    log = Path(args.log) if args.log else None
+    sys.stdout, sys.stderr = PipeToRun(sys.stdout, log), PipeToRun(sys.stderr, log)
+    return _work(args)
+
+
+def _work(args: argparse.Namespace) -> int:
+    """The worker's sweep (see :func:`cmd_worker`)."""
     from hpo.launch import Slot
 
-    if _started_by_run(args):
-        from hpo.worker_logs import PipeToRun
-
-        log = Path(args.log) if args.log else None
-        sys.stdout, sys.stderr = PipeToRun(sys.stdout, log), PipeToRun(sys.stderr, log)
     ctx = _writing_context(args)
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
     executor = _cluster(ctx, args)
@@ -399,7 +415,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise BrokenPipeError
 
     from hpo import designs
-    from hpo.progress import format_params, summary_line, tally
+    from hpo.progress import distinct_digits, format_params, summary_line, tally
     from hpo.rows import gpu_cell
 
     ctx = _context(args)
@@ -417,19 +433,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     best = summary.best
     live = _running_trials(ctx, shown)
     since = _running_since(live)
+    held_out = scenario.objective.held_out
+    digits = {name: distinct_digits(row.params.get(name) for row in shown) for name in names}
+    value_digits = distinct_digits([row.value for row in shown] + ([best.value] if best else []))
+    held_digits = {name: distinct_digits(row.held_out.get(name) for row in shown) for name in held_out}
     for row in shown:
         mark = " *" if best is not None and row.number == best.number else ""
         gone = _worker_gone(ctx, live[row.number]) if row.number in live else None
         seconds = f"{time.time() - since[row.number]:.1f}{'' if gone else ' (running)'}" if row.number in since \
             else _number(row.duration_s, ".1f")
         reason = f"its worker is gone ({gone}): {_RECORDED_LATER}" if gone else _reason(row)
-        table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n)) for n in names),
-                      _number(row.value), *(_number(row.held_out.get(h)) for h in scenario.objective.held_out),
+        table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n), digits[n]) for n in names),
+                      _number(row.value, f".{value_digits}g"),
+                      *(_number(row.held_out.get(h), f".{held_digits[h]}g") for h in held_out),
                       seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), reason)
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
         console.print(table)
-    console.print(summary_line(summary, scenario.objective.metric), highlight=False, soft_wrap=True)
+    console.print(summary_line(summary, scenario.objective.metric, value_digits), highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"best params: {format_params(best.params)}", highlight=False, soft_wrap=True)
     return EXIT_OK
@@ -501,10 +522,10 @@ def _param_columns(scenario: Any, rows: Sequence[Any], constants: bool = True) -
     return names + extra
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, digits: int) -> str:
     if value is None:
         return ""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
 def _number(value: float | None, fmt: str = ".4g") -> str:
@@ -1073,10 +1094,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception as exc:
+        if isinstance(exc, OSError) and _stdout_refused(exc):
+            print(f"error: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_ERROR
         if os.environ.get("HPO_DEBUG"):
             raise
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _stdout_refused(exc: OSError) -> bool:
+    """Whether ``exc`` is stdout's disk refusing what was printed (``> out.txt`` on a full
+    disk, ``> /dev/full``). If so, stdout is pointed at /dev/null, so that Python's own flush
+    at exit says nothing more."""
+    from hpo.storage import disk_full
+    from hpo.worker_logs import full_where_written
+
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return False
+    refused = disk_full(exc) and full_where_written(fd)
+    if refused:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return refused
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ trials of gone workers it judged lost), or, when watching workers in other proce
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,10 +37,19 @@ def format_params(params: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
-def format_metrics(value: float | None, metric: str, held_out: Mapping[str, float]) -> str:
-    """``val_error=0.05 test_error=0.06`` for a trial's objective and held-out metrics."""
-    parts = [] if value is None else [f"{metric}={value:.4g}"]
-    return " ".join(parts + [f"{k}={v:.4g}" for k, v in held_out.items()])
+def format_metrics(value: float | None, metric: str, held_out: Mapping[str, float], digits: int = 4) -> str:
+    """``val_error=0.05 test_error=0.06`` for a trial's objective and held-out metrics, to
+    ``digits`` significant digits."""
+    parts = [] if value is None else [f"{metric}={value:.{digits}g}"]
+    return " ".join(parts + [f"{k}={v:.{digits}g}" for k, v in held_out.items()])
+
+
+def distinct_digits(values: Iterable[float | None], least: int = 4, most: int = 10) -> int:
+    """The fewest significant digits, from ``least`` to ``most``, at which the distinct finite
+    ``values`` read distinct (``most`` where even that does not): a column of errors 2.0003,
+    1.9995 and 2.0005 is not three 2s."""
+    distinct = {v for v in values if isinstance(v, (int, float)) and math.isfinite(v)}
+    return next((n for n in range(least, most) if len({f"{v:.{n}g}" for v in distinct}) == len(distinct)), most)
 
 
 @dataclass(frozen=True)
@@ -120,8 +130,9 @@ def past_budget_note(t: Tally) -> str:
     return f" (budget {t.budget}: reached)" if t.done > t.budget else ""
 
 
-def summary_line(t: Tally, metric: str) -> str:
-    """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...``;
+def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
+    """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...`` (its
+    metrics to ``digits`` significant digits);
     reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``;
     trials waiting past the budget are said apart from those still to run; more trials done
     than the budget read ``6 trials done (budget 2: reached): 6 complete.``"""
@@ -144,12 +155,12 @@ def summary_line(t: Tally, metric: str) -> str:
         text += f"; {t.retried} failed {'attempts' if t.retried > 1 else 'attempt'} retried (search.retry_failed)"
     if t.past_budget:
         text += f"; {t.past_budget} waiting past the budget (not run unless search.trials is raised)"
-    return text + "." + best_text(t.best, metric)
+    return text + "." + best_text(t.best, metric, digits)
 
 
-def best_text(best: TrialRow | None, metric: str) -> str:
+def best_text(best: TrialRow | None, metric: str, digits: int = 4) -> str:
     """``  best #3 val_error=0.05 test_error=0.06`` or ''."""
-    return "" if best is None else f"  best #{best.number} {format_metrics(best.value, metric, best.held_out)}"
+    return "" if best is None else f"  best #{best.number} {format_metrics(best.value, metric, best.held_out, digits)}"
 
 
 class ProgressView:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import IO, TextIO
 
 from hpo.render import full_disk
+from hpo.storage import disk_full
 
 NOTICE_PREFIXES = ("hpo: ", "error: ")
 WORKERS_STOP_S = 60.0  # how long hpo run, stopping for an error of its own, waits for its workers to stop
@@ -200,3 +204,106 @@ class PipeToRun(io.TextIOBase):
 
     def fileno(self) -> int:
         return self._fileno
+
+
+class DroppedWhileFull(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` of a sweep whose output is redirected to a file
+    (``hpo run ... > run.log``): what its disk refuses (full, a quota) is dropped, not raised,
+    so that the sweep runs on, and recorded, without the lines it would have shown. The first
+    refusal is said on ``other``, the sweep's other stream; once the file takes lines again, it
+    is told how many were dropped there. Each write goes to the file at once, unbuffered, so
+    that nothing refused waits in a buffer to be written out of turn later."""
+
+    def __init__(self, stream: TextIO, name: str, other: TextIO) -> None:
+        with contextlib.suppress(OSError):
+            stream.flush()
+        self._fd = stream.fileno()
+        self._tty = stream.isatty()
+        self._encoding = stream.encoding
+        self._name = name
+        self._other = other
+        self._dropped = 0
+        self._line_begun = False  # a refused write left part of a line in the file
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def fileno(self) -> int:
+        return self._fd
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._encoding
+
+    def write(self, text: str) -> int:
+        own = text.encode(self._encoding, "replace")
+        note = b""
+        if self._dropped:
+            note = (b"\n" if self._line_begun else b"") + \
+                f"hpo: {self._dropped} lines were dropped here while the disk was full\n".encode()
+        data, written = note + own, 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            if not self._dropped:
+                with contextlib.suppress(OSError):
+                    self._other.write(f"hpo: {self._name} refuses what this sweep prints ({exc.strerror or exc}): "
+                                      f"its lines are dropped meanwhile; the sweep runs on and records every trial\n")
+                    self._other.flush()
+            self._line_begun = not data[:written].endswith(b"\n") if written else self._line_begun
+            unwritten = own[max(0, written - len(note)):]
+            self._dropped += max(int(bool(unwritten)), unwritten.count(b"\n"))  # a line cut short counts
+            return len(text)
+        self._dropped, self._line_begun = 0, False
+        return len(text)
+
+
+@contextlib.contextmanager
+def output_dropped_while_full() -> Iterator[None]:
+    """Within, stdout and stderr, where they are files (not a terminal, not a pipe), are
+    :class:`DroppedWhileFull`."""
+    out, err = sys.stdout, sys.stderr
+    if _is_file(out):
+        sys.stdout = DroppedWhileFull(out, "stdout", err)
+    if _is_file(err):
+        sys.stderr = DroppedWhileFull(err, "stderr", out)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _is_file(stream: TextIO) -> bool:
+    try:
+        return written_to_disk(stream.fileno())
+    except (ValueError, io.UnsupportedOperation):
+        return False
+
+
+def written_to_disk(fd: int) -> bool:
+    """Whether what is written to ``fd`` goes to a disk that may fill: a file, or /dev/full
+    (which stands for one)."""
+    try:
+        mode = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISREG(mode.st_mode) or _dev_full(mode)
+
+
+def full_where_written(fd: int) -> bool:
+    """Whether ``fd`` is a file on a disk with no room left, or /dev/full."""
+    try:
+        mode = os.fstat(fd)
+        return _dev_full(mode) or (stat.S_ISREG(mode.st_mode) and os.fstatvfs(fd).f_bavail == 0)
+    except OSError:
+        return False
+
+
+def _dev_full(mode: os.stat_result) -> bool:
+    return stat.S_ISCHR(mode.st_mode) and mode.st_rdev == os.makedev(1, 7)

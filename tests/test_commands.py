@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import io
+import math
 import os
 import pty
 import re
@@ -255,3 +256,20 @@ def test_status_names_each_kind_of_repeat_as_its_csv_column_does() -> None:
     assert _reason(row(retry_of=4)) == "retry of #4"
     assert _reason(row("exit code 3", rerun_of=4)) == "rerun of #4: exit code 3"
     assert _reason(row("exit code 3")) == "exit code 3"
+
+
+def test_status_shows_as_many_digits_as_tell_the_values_apart(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Errors 1.99971, 1.99974 and 1.9995 read '2' three times to 4 significant digits, and the
+    best's line said 'val_error=2'; each column now has the digits that tell its values apart."""
+    from hpo.progress import distinct_digits
+
+    assert distinct_digits([1.99971, 1.99974, 1.9995, None, math.inf]) == 6
+    assert distinct_digits([0.5, 0.25]) == 4 and distinct_digits([]) == 4
+    path = write_scenario(tmp_path, drop=["parameters.opt"], parameters={"x": {"type": "float", "low": 1, "high": 3}},
+                          search={"method": "csv", "csv": "points.csv", "trials": 3},
+                          template_text="from hpo.results import report\nreport(val_error={{ x }}, test_error=0.5)\n")
+    (tmp_path / "points.csv").write_text("x\n1.99971\n1.99974\n1.9995\n")
+    assert run_hpo("run", path).returncode == 0
+    out = run_hpo("status", path).stdout
+    assert re.search(r"│ 2 \*\s+│ COMPLETE │ 1\.9995\s+│ 1\.9995\s+│", out), out
+    assert "1.99971" in out and "1.99974" in out and "best #2 val_error=1.9995 test_error=0.5" in out, out

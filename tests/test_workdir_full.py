@@ -289,3 +289,48 @@ def test_worker_output_kept_for_a_full_disk_is_bounded_and_says_what_it_dropped(
                      "their output, the oldest, could not wait: they are not in them)")
     text = logs.path(0).read_bytes()
     assert len(text) == kept + len(b"last\n") and text.endswith(f"line {lines - 1:07d}\nlast\n".encode())
+
+
+def test_a_sweep_whose_output_file_fills_runs_on_and_status_to_it_says_so_in_one_line(
+        disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """``hpo run ... > run.log`` on a disk that fills: the sweep stopped at its first line with
+    'error: OSError: [Errno 28] No space left on device', having run nothing. Now its lines are
+    dropped, said once on stderr, and every trial is run and recorded; ``hpo status`` and ``hpo
+    best`` into such a file say so in one line (exit 1), with no traceback."""
+    scenario = _scenario(tmp_path, write_scenario, 3, PLAIN)
+    where = ["--workdir", tmp_path / "w", "--storage", f"sqlite:///{tmp_path / 'study.db'}"]
+    disk.fill()
+    with (disk.mount / "run.log").open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "hpo", "run", scenario, *map(str, where)], env=cli_env(),
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("hpo: stdout refuses what this sweep prints (No space left on device): its lines are "
+                           "dropped meanwhile; the sweep runs on and records every trial\n")
+    assert [state for _, state, _ in _rows(scenario, *where)] == ["COMPLETE"] * 3
+    for command in ("status", "best"):
+        with (disk.mount / f"{command}.txt").open("w") as out:
+            said = subprocess.run([sys.executable, "-m", "hpo", command, scenario, *map(str, where)], env=cli_env(),
+                                  stdout=out, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+        assert (said.returncode, said.stderr) == (1, "error: cannot write to stdout: No space left on device\n")
+
+
+def test_output_dropped_for_a_full_disk_is_told_where_it_is_written_again(disk: Disk) -> None:
+    """Once the file takes lines again, it says how many were dropped there (the disk's last
+    page takes part of the first refused write)."""
+    from hpo.worker_logs import DroppedWhileFull
+
+    told = io.StringIO()
+    with (disk.mount / "run.log").open("w") as file:
+        out = DroppedWhileFull(file, "stdout", told)
+        out.write("first\n")
+        disk.fill()
+        for number in range(3):
+            out.write(f"trial {number} ended\n" * 2000)  # more than a buffer: the disk refuses it
+        disk.free()
+        out.write("last\n")
+    assert told.getvalue().startswith("hpo: stdout refuses what this sweep prints (No space left on device)")
+    first, *kept, note, last = (disk.mount / "run.log").read_text().splitlines()
+    dropped = re.fullmatch(r"hpo: (\d+) lines were dropped here while the disk was full", note)
+    assert (first, last) == ("first", "last") and dropped, note
+    assert all("trial 0 ended".startswith(line) for line in kept)  # the last may be cut short: counted dropped
+    assert sum(line == "trial 0 ended" for line in kept) + int(dropped[1]) == 6000
