@@ -665,21 +665,27 @@ def cmd_tail(args: argparse.Namespace) -> int:
             raise InputError(f"trial {args.trial}: it has not started within {TAIL_WAIT_S} s "
                              "(is a sweep running?)")
         time.sleep(0.2)
+    printed = False
     with log.open("rb") as handle:
         while True:
             chunk = handle.read()
             if chunk:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
+                printed = True
                 continue
             trial = store.trial(args.trial)
             gone = _worker_gone(ctx, trial)
             if not args.follow or trial.state.is_finished() or gone:
-                sys.stdout.buffer.write(handle.read())
+                rest = handle.read()
+                sys.stdout.buffer.write(rest)
                 sys.stdout.flush()
                 if gone:
                     print(f"hpo: trial {args.trial}'s worker is gone ({gone}): its log ends here; {_RECORDED_LATER}",
                           file=sys.stderr)
+                elif not (printed or rest):
+                    print(f"hpo: trial {args.trial}'s log {log} is empty: it printed nothing"
+                          f"{'' if trial.state.is_finished() else ' yet'}", file=sys.stderr)
                 return EXIT_OK
             time.sleep(0.2)
 

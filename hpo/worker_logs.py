@@ -1,4 +1,4 @@
-"""The output of the optimizer workers that ``hpo run --workers K`` starts.
+"""The output of the optimizer workers that ``hpo run --workers K`` starts, and of a sweep.
 
 Each worker writes to a pipe that hpo run reads (:func:`relay`): every line goes to the
 worker's log, ``<workdir>/worker-N.log`` (:class:`WorkerLogs`), and its notices, the lines
@@ -12,6 +12,10 @@ line. hpo run reads its workers' output until they end (:func:`relaying`), so th
 lines are kept even where it stops for an error of its own; a worker whose hpo run is gone
 (killed) goes on stopping as the signal it gets then asks, appending its last lines to its log
 itself (:class:`PipeToRun`).
+
+The sweep's own output, redirected to a file (``hpo run ... > run.log``), is no more fatal on a
+full disk: what the disk refuses is dropped and counted, the sweep runs on
+(:class:`DroppedWhileFull`).
 """
 from __future__ import annotations
 

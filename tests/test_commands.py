@@ -273,3 +273,14 @@ def test_status_shows_as_many_digits_as_tell_the_values_apart(tmp_path: Path, wr
     out = run_hpo("status", path).stdout
     assert re.search(r"│ 2 \*\s+│ COMPLETE │ 1\.9995\s+│ 1\.9995\s+│", out), out
     assert "1.99971" in out and "1.99974" in out and "best #2 val_error=1.9995 test_error=0.5" in out, out
+
+
+def test_tail_of_a_trial_that_printed_nothing_says_so(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A trial that failed printing nothing: ``hpo tail`` printed nothing either, as if it had
+    not looked."""
+    path = write_scenario(tmp_path, search={"trials": 1}, template_text="x = {{ x }}\n")
+    assert run_hpo("run", path).returncode == 0
+    tail = run_hpo("tail", path, "0")
+    log = tmp_path / "runs" / "demo" / "trial-0000" / "trial.log"
+    assert (tail.returncode, tail.stdout) == (0, ""), tail.stderr
+    assert tail.stderr == f"hpo: trial 0's log {log} is empty: it printed nothing\n"
