@@ -903,11 +903,13 @@ def _serve_flag(exc: OSError) -> str:
 
 @dataclass(frozen=True)
 class Command:
-    """One row of the command table."""
+    """One row of the command table: ``summary`` is what ``hpo --help`` and ``hpo NAME --help``
+    say it does, in the user's terms (the handler's docstring is its contract, for developers)."""
 
     name: str
     run: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None]
+    summary: str
 
 
 def _trial_arg(parser: argparse.ArgumentParser) -> None:
@@ -1007,17 +1009,32 @@ def _port(text: str) -> int:
 
 
 COMMANDS = (
-    Command("run", cmd_run, _run_args),
-    Command("worker", cmd_worker, _worker_args),
-    Command("status", cmd_status, _status_args),
-    Command("tail", cmd_tail, _tail_args),
-    Command("stop", cmd_stop, _trial_arg),
-    Command("export", cmd_export, _export_args),
-    Command("plot", cmd_plot, _plot_args),
-    Command("best", cmd_best, _best_args),
-    Command("validate", cmd_validate, _space_arg),
-    Command("rerun", cmd_rerun, _rerun_args),
-    Command("dashboard", cmd_dashboard, _dashboard_args),
+    Command("run", cmd_run, _run_args,
+            "Run the sweep to the end (resumable); --workers K runs K optimizer processes sharing this "
+            "machine's slots, --cluster runs the trials on a Dask cluster."),
+    Command("worker", cmd_worker, _worker_args,
+            "Join the scenario's study as one more optimizer worker (e.g. from another machine)."),
+    Command("status", cmd_status, _status_args,
+            "Print the last trials (* marks the best) and a summary; --all prints every trial."),
+    Command("tail", cmd_tail, _tail_args,
+            "Follow trial N's log live, like tail -f; ends when the trial ends."),
+    Command("stop", cmd_stop, _trial_arg,
+            "End trial N early, from any terminal that reaches the store; it is recorded as STOPPED."),
+    Command("export", cmd_export, _export_args,
+            "Write one row per trial, in trial-number order, to -o FILE (or stdout)."),
+    Command("plot", cmd_plot, _plot_args,
+            "Draw the study's charts as PNG files into -o DIR (default: <workdir>/plots)."),
+    Command("best", cmd_best, _best_args,
+            "Print the best trial, its held-out metrics and its folder; --copy-to DIR copies the folder there."),
+    Command("validate", cmd_validate, _space_arg,
+            "Check the scenario, its design, templates and command, and the store (contacted, nothing written), "
+            "and that hpo run would resume its study and accept its workdir; print the slots and the store. "
+            "Runs nothing."),
+    Command("rerun", cmd_rerun, _rerun_args,
+            "Run trial N's configuration again as a new trial, to check that it reproduces; it does not count "
+            "toward search.trials."),
+    Command("dashboard", cmd_dashboard, _dashboard_args,
+            "Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it."),
 )
 
 
@@ -1029,8 +1046,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hpo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for command in COMMANDS:
-        doc = (command.run.__doc__ or "").strip()
-        child = sub.add_parser(command.name, help=doc.splitlines()[0], description=doc)
+        child = sub.add_parser(command.name, help=command.summary, description=command.summary)
         child.add_argument("scenario", help="the scenario YAML file")
         child.add_argument("--storage", help="Optuna storage URL: sqlite:///PATH, postgresql://..., mysql://... "
                                              "or journal:PATH (default: sqlite in the workdir)")

@@ -284,3 +284,18 @@ def test_tail_of_a_trial_that_printed_nothing_says_so(tmp_path: Path, write_scen
     log = tmp_path / "runs" / "demo" / "trial-0000" / "trial.log"
     assert (tail.returncode, tail.stdout) == (0, ""), tail.stderr
     assert tail.stderr == f"hpo: trial 0's log {log} is empty: it printed nothing\n"
+
+
+def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> None:
+    """`hpo --help` cut the first line of each command's docstring mid-sentence ('... optimizer
+    processes. Output'), and `hpo stop --help` showed ':func:`_worker_gone`'."""
+    from hpo.cli import COMMANDS
+
+    for command in COMMANDS:
+        helped = run_hpo(command.name, "--help")
+        assert helped.returncode == 0, helped.stderr
+        text = " ".join(helped.stdout.split())
+        assert " ".join(command.summary.split()) in text and command.summary.endswith("."), command.name
+        assert not re.search(r":(func|mod|class|data|meth):|``|InputError|_worker_gone", helped.stdout), helped.stdout
+    listed = " ".join(run_hpo("--help").stdout.split())
+    assert all(" ".join(command.summary.split()) in listed for command in COMMANDS), listed
