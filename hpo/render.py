@@ -7,7 +7,9 @@ syntax is Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``
 ``${lr}``. Templates
 see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
 ``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
-``data_dir``.
+``data_dir``. A template file named in the scenario that holds a parameter's placeholder it is
+never rendered with (``{{ lr }}`` in a file that is copied, ``${lr}`` in a Jinja template that
+uses no Jinja) is bad input.
 
 A trial folder whose disk is full (ENOSPC, a quota) is no fault of the trial: its writes
 raise :class:`FolderFull`, which names the file and the room left on its disk.
@@ -184,6 +186,39 @@ def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool]]:
     return out
 
 
+_PLACEHOLDER = {"jinja": "{{{{ {} }}}}", "dollar": "${{{}}}"}
+_SUFFIX = {"jinja": ".j2", "dollar": ".tmpl"}
+_CHECKED_BYTES = 1 << 20  # a copied file larger than this is data, not a script that was meant to be rendered
+
+
+def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> None:
+    """InputError where a template file written in the scenario holds a parameter's
+    placeholder that will never be replaced: the file is copied as it is (its name lacks a
+    rendering suffix), or it is rendered in the other syntax and uses none of its own."""
+    try:
+        if template.stat().st_size > _CHECKED_BYTES:
+            return
+        text = template.read_text()
+    except (OSError, UnicodeDecodeError):
+        return
+    params, syntax = set(scenario.parameters), scenario.syntax
+    other = "dollar" if syntax == "jinja" else "jinja"
+    if rendered and _variables(text, syntax):  # it uses its syntax
+        return
+    for placeholder_syntax in (syntax, other) if not rendered else (other,):
+        found = sorted(_variables(text, placeholder_syntax) & params)
+        if not found:
+            continue
+        written, own = (_PLACEHOLDER[each].format(found[0]) for each in (placeholder_syntax, syntax))
+        rewrite = "" if placeholder_syntax == syntax else f" and write {own}, or set syntax: {placeholder_syntax}"
+        if not rendered:
+            raise InputError(f"template {template.name}: holds {written} but is copied as it is (only files named "
+                             f"*{', *'.join(RENDERED_SUFFIXES)} are rendered): name it "
+                             f"{template.name}{_SUFFIX[syntax]}{rewrite}")
+        raise InputError(f"template {template.name}: holds {written}, which syntax: {syntax} leaves as it is: "
+                         f"write {own}, or set syntax: {placeholder_syntax}")
+
+
 def _check_data_dir(scenario: Scenario) -> None:
     """InputError unless the scenario's ``data_dir``, if set, is an existing folder; where
     trials run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
@@ -255,6 +290,8 @@ class Renderer:
                 except UnicodeDecodeError:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
+            if template in scenario.template:  # named on its own: a folder brings a project's files as they are
+                _check_placeholders(scenario, template, rendered)
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 

@@ -96,7 +96,7 @@ def test_rendered_suffixes_are_stripped(tmp_path: Path, write_scenario: WriteSce
 
 
 def test_other_files_are_copied_verbatim(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    raw = "{{ not rendered }} ${x}\n"
+    raw = "{{ not rendered }} ${HOME}\n"
     blob = bytes(range(256))
     renderer = _renderer(tmp_path, write_scenario,
                          {"train.py.j2": "{{ x }}", "helper.py": raw, "weights.bin": blob, "run.sh": "#!/bin/sh\n"})
@@ -276,3 +276,43 @@ def test_where_a_template_lands_is_what_the_command_runs(tmp_path: Path, write_s
     folder = tmp_path / "trial-0000"
     write_files(folder, renderer.files(0, folder, {"x": 0.5, "opt": "a"}, shlex.split(command)))
     assert (folder / names[0]).read_text() == "print(1)\n"
+
+
+COPIED = "but is copied as it is (only files named *.j2, *.jinja, *.jinja2, *.tmpl are rendered): name it"
+
+
+@pytest.mark.parametrize(("syntax", "name", "text", "said"), [
+    ("jinja", "train.py", "x = {{ x }}\n", f"template train.py: holds {{{{ x }}}} {COPIED} train.py.j2"),
+    ("dollar", "train.py", "x = ${x}\n", f"template train.py: holds ${{x}} {COPIED} train.py.tmpl"),
+    ("jinja", "run.sh", "python train.py --lr ${x}\n",
+     f"template run.sh: holds ${{x}} {COPIED} run.sh.j2 and write {{{{ x }}}}, or set syntax: dollar"),
+    ("jinja", "train.py.j2", "x = ${x}\n",
+     "template train.py.j2: holds ${x}, which syntax: jinja leaves as it is: write {{ x }}, or set syntax: dollar"),
+    ("dollar", "train.py.tmpl", "x = {{ x }}\n",
+     "template train.py.tmpl: holds {{ x }}, which syntax: dollar leaves as it is: write ${x}, or set syntax: jinja"),
+])
+def test_a_placeholder_that_is_never_replaced_is_an_input_error(tmp_path: Path, write_scenario: WriteScenario,
+                                                                syntax: str, name: str, text: str, said: str) -> None:
+    """A template holding a parameter's placeholder that its file is never rendered with passed
+    hpo validate, and every trial then failed on it (or, in a shell script, ran without it)."""
+    with pytest.raises(InputError) as raised:
+        _renderer(tmp_path, write_scenario, {name: text}, syntax=syntax)
+    assert str(raised.value) == said
+
+
+@pytest.mark.parametrize(("syntax", "templates"), [
+    ("jinja", {"train.py.j2": "X={{ x }}\npython t.py --x ${X} --home ${HOME}\n"}),  # a shell variable beside its own
+    ("jinja", {"train.py": "HOME = '${HOME}'\nsize = {'w': 2}\n"}),  # no parameter's placeholder
+    ("jinja", {"models/net.py": "x = {{ x }}\n"}),  # a folder brings a project's files as they are
+])
+def test_placeholders_of_no_parameter_or_beside_the_files_own_are_left_alone(
+        tmp_path: Path, write_scenario: WriteScenario, syntax: str, templates: dict[str, str]) -> None:
+    folder = tmp_path / "sc"
+    if "models/net.py" in templates:
+        (folder / "models").mkdir(parents=True)
+        (folder / "models" / "net.py").write_text(templates["models/net.py"])
+        (folder / "train.py.j2").write_text("x = {{ x }}\n")
+        path = write_scenario(folder, template=["models", "train.py.j2"], template_text=None, syntax=syntax)
+        Renderer(load_scenario(path))
+        return
+    _renderer(tmp_path, write_scenario, templates, syntax=syntax)
