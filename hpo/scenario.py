@@ -2,7 +2,8 @@
 
 :func:`load_scenario` is the only way in. It returns a :class:`Scenario` whose paths are
 absolute (resolved against the scenario file's folder) or raises :class:`InputError` with
-one line naming the field path and what is wrong. Unknown keys are errors.
+one line naming the field path and what is wrong. Unknown keys, and keys given twice in one
+mapping, are errors.
 """
 from __future__ import annotations
 
@@ -259,12 +260,29 @@ class Objective(_Frozen):
         return self
 
 
+RESULTS_COLUMNS = ("number", "state", "duration_s", "folder", "reason", "repeat_of")
+"""The fixed columns of the results CSV (``hpo export``); the parameters and the metrics have a
+column each under their own names, so none may take one of these."""
+
+
+def _column_problem(name: str, what: str) -> str | None:
+    """Why ``name`` cannot name a column of the results CSV (``what`` it names: a parameter or
+    a metric), or None."""
+    if name in RESULTS_COLUMNS:
+        return f"{name!r} is a column of the results CSV ({', '.join(RESULTS_COLUMNS)}); rename the {what}"
+    return None
+
+
 def _not_reserved(name: str) -> None:
+    """Raise ValueError where a metric's name is one that hpo itself records or writes."""
     if name == STEP_KEY:
         raise ValueError(f"{STEP_KEY} marks a metric line as an intermediate report; give the metric another name")
     if name in RESERVED_ATTRS:
         raise ValueError(f"{name} is a name hpo records on every trial ({', '.join(sorted(RESERVED_ATTRS))}); "
                          f"give the metric another name")
+    problem = _column_problem(name, "metric")
+    if problem:
+        raise ValueError(problem)
 
 
 def _one_group_problem(pattern: str) -> str | None:
@@ -530,6 +548,7 @@ class Scenario(_Frozen):
                                  "(a name is not empty and holds no '=', neither holds a NUL)")
             if key in SET_BY_HPO:
                 raise ValueError(f"env: {key} is set by hpo for each trial{SET_BY_HPO[key]}")
+        _check_columns(self)
         _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
             _check_condition(name, param, names[:index], self.parameters)
@@ -559,6 +578,21 @@ class Scenario(_Frozen):
 SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus chooses which GPUs hpo uses)",
               "HPO_TRIAL_TOKEN": "", "HPO_TRIAL_NUMBER": "", "HPO_TRIAL_DIR": "", "HPO_SLOT": ""}
 """Environment variables of a trial that hpo sets (a scenario's ``env`` may not), and why."""
+
+
+def _check_columns(scenario: Scenario) -> None:
+    """Raise ValueError where a parameter's column of the results CSV would repeat the name of
+    another column: a fixed one (:data:`RESULTS_COLUMNS`), the objective metric's or a held-out
+    metric's (the metrics' own names are checked by :class:`Objective`)."""
+    objective = scenario.objective
+    metrics = {name: "a held-out metric" for name in objective.held_out} | {objective.metric: "the objective metric"}
+    for name in scenario.parameters:
+        problem = _column_problem(name, "parameter")
+        if problem:
+            raise ValueError(f"parameters.{name}: {problem}")
+        if name in metrics:
+            raise ValueError(f"parameters.{name}: {name!r} is also {metrics[name]}, and the results CSV has one "
+                             "column per name; rename the parameter or the metric")
 
 
 def _check_flags(scenario: Scenario) -> None:
@@ -607,7 +641,7 @@ def _bool_hint(value: Any, choices: tuple[Any, ...]) -> str:
     return ""
 
 
-_PATH_KEYS = ("template", "data_dir", "workdir")
+_PATH_KEYS = {"template", "data_dir", "workdir"}
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -621,8 +655,8 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
         return str((folder / Path(value).expanduser()).resolve())
 
     out = dict(raw)
-    for key in _PATH_KEYS:
-        value = out.get(key)
+    for key in _PATH_KEYS & out.keys():
+        value = out[key]
         out[key] = [resolved(key, v) for v in value] if isinstance(value, list) else resolved(key, value)
     search = out.get("search")
     if isinstance(search, dict) and "csv" in search:
@@ -632,6 +666,12 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 def _allowed_keys(model: type[BaseModel] | None) -> list[str]:
     return [k for k in model.model_fields if k != "path"] if model else []
+
+
+def _owner(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose field ``loc`` names (a parameter's spec is a :class:`Param`), or None."""
+    parent = loc[:-1]
+    return Param if len(parent) == 2 and parent[0] == "parameters" else _model_at(loc)
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -649,6 +689,23 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 
 _SCALAR_MEMBERS = ("bool", "int", "float", "str", "list[union[bool,int,float,str]]")
+_MAPPING_TYPES = ("dict_type", "model_type")
+_EXPECTED_LISTS = {
+    "template": "a path or a list of paths",
+    "command": "a command line or a list of its arguments",
+    "post_process": "a command line or a list of its arguments",
+    "held_out": "a list of metric names",
+    "choices": "a list of values",
+    "gpus": "a list of GPU ids",
+    "job_extra": "a list of scheduler directives",
+    "setup": "a list of shell lines",
+}
+"""What each list-valued key of a scenario takes, as a user writes it (YAML has no tuples)."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: a string quoted, anything else as YAML writes it."""
+    return repr(value) if isinstance(value, str) else _yaml(value)
 
 
 def _format_error(error: dict[str, Any]) -> str:
@@ -674,16 +731,64 @@ def _format_error(error: dict[str, Any]) -> str:
         loc, message = loc[:-2], (f"the name {_yaml(error['input'])} is not a string: YAML reads yes/no, "
                                   "on/off, true/false, null and numbers unquoted as such; quote the name")
     if error["type"] == "extra_forbidden":
-        parent = loc[:-1]
-        allowed = _allowed_keys(Param if len(parent) == 2 and parent[0] == "parameters"
-                                else _model_at(loc))
+        allowed = _allowed_keys(_owner(loc))
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else f" (allowed: {', '.join(allowed)})"
         message = f"unknown key{hint}"
     elif error["type"] == "missing":
         message = "required key is missing"
+    elif error["type"] == "tuple_type":
+        message = f"expected {_EXPECTED_LISTS.get(str(loc[-1]), 'a list')}, got {_shown(error['input'])}"
+    elif error["type"] in _MAPPING_TYPES:
+        message = f"expected a mapping of keys, got {_shown(error['input'])}"
     path = ".".join(str(part) for part in loc if not (isinstance(part, str) and part.startswith("function-")))
     return f"{path}: {message}" if path else message
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping key given twice; ``problem`` is ``<dotted path>: defined twice (lines A and B)``
+(``(line A)`` for two on one line)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping, at any depth, with a
+    :class:`DuplicateKeyError` (YAML forbids it; PyYAML would keep the last one silently).
+    Keys that a merge (``<<: *base``) brings in may still be overridden."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._paths: dict[yaml.Node, str] = {}
+
+    def _child(self, node: yaml.Node, key: str) -> str:
+        """The dotted path of ``key`` (a key or an index) in the mapping or list ``node``."""
+        parent = self._paths.get(node)
+        return f"{parent}.{key}" if parent else key
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """The mapping of ``node``; DuplicateKeyError where two of its own keys are equal."""
+        lines: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            path = self._child(node, key_node.value if isinstance(key_node, yaml.ScalarNode) else _yaml(key))
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key, which the base class refuses
+                continue
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise DuplicateKeyError(problem=f"{path}: defined twice ({where})", problem_mark=key_node.start_mark)
+            lines[key] = line
+            self._paths[value_node] = path
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_sequence(self, node: yaml.SequenceNode, deep: bool = False) -> list[Any]:
+        """The list of ``node``; its items' paths end in their index."""
+        for index, item in enumerate(node.value):
+            self._paths[item] = self._child(node, str(index))
+        return super().construct_sequence(node, deep=deep)
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -692,7 +797,9 @@ def load_scenario(path: str | Path) -> Scenario:
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
+    except DuplicateKeyError as exc:
+        raise InputError(f"{file.name}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -707,6 +814,8 @@ def load_scenario(path: str | Path) -> Scenario:
     except InputError as exc:
         raise InputError(f"{file.name}: {exc}") from None
     except ValidationError as exc:
-        raise InputError(f"{file.name}: {_format_error(exc.errors()[0])}") from None
+        errors = exc.errors()  # an unknown key first: a typo in it explains a key that is missing
+        first = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
+        raise InputError(f"{file.name}: {_format_error(first)}") from None
     except TypeError as exc:
         raise InputError(f"{file.name}: {exc}") from None

@@ -1,6 +1,7 @@
 """Loading, validating and freezing the scenario YAML."""
 from __future__ import annotations
 
+import subprocess
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from hpo.launch import plan_slots, uses_torchrun
 from hpo.scenario import Objective, Resources, Search, load_scenario
 
 WriteScenario = Callable[..., Path]
+RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def test_valid_scenario_loads(scenario_path: Path) -> None:
@@ -203,6 +205,18 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"flags": True, **_p("y", type="float", low=0, high=1, flag="--x")},
          "parameters.y: its flag --x is also the flag of x; a trial would get both"),
         ({"flags": True, "flag_style": "-name", "seed_flag": "-x"}, "seed_flag: -x is also the flag of x"),
+        ({"objective": {"held_out": "test_error"}},
+         "objective.held_out: expected a list of metric names, got 'test_error'"),
+        (_p("opt", choices="sgd"), "parameters.opt.choices: expected a list of values, got 'sgd'"),
+        ({"resources": {"gpus": 0}}, "resources.gpus: expected a list of GPU ids, got 0"),
+        ({"template": 5}, "template: expected a path or a list of paths, got 5"),
+        ({"command": 5}, "command: expected a command line or a list of its arguments, got 5"),
+        ({"resources": {"cluster": {"kind": "slurm", "cores": 1, "memory": "1GB", "setup": "module load x"}}},
+         "resources.cluster.setup: expected a list of shell lines, got 'module load x'"),
+        ({"search": "sobol"}, "search: expected a mapping of keys, got 'sobol'"),
+        ({"parameters": {"x": 5}}, "parameters.x: expected a mapping of keys, got 5"),
+        ({"parameters": ["x", "opt"]}, "parameters: expected a mapping of keys, got [x, opt]"),
+        ({"env": "A=1"}, "env: expected a mapping of keys, got 'A=1'"),
     ],
 )
 def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteScenario,
@@ -261,3 +275,29 @@ def test_env_numbers_are_their_text(tmp_path: Path, write_scenario: WriteScenari
     assert scenario.env == {"OMP_NUM_THREADS": "4", "LR_SCALE": "0.5"}
     with pytest.raises(InputError, match="env.FLAG: Input should be a valid string"):
         load_scenario(write_scenario(tmp_path, env={"FLAG": True}))
+
+
+def test_a_list_or_a_mapping_is_asked_for_in_the_users_terms(tmp_path: Path, write_scenario: WriteScenario,
+                                                               run_cli: RunCli) -> None:
+    """YAML has lists and mappings; the message never speaks of tuples or dictionaries."""
+    for overrides, line in [
+        ({"objective": {"held_out": "test_error"}},
+         "objective.held_out: expected a list of metric names, got 'test_error'"),
+        ({"parameters": {"opt": {"choices": "sgd"}}}, "parameters.opt.choices: expected a list of values, got 'sgd'"),
+    ]:
+        result = run_cli("validate", write_scenario(tmp_path, **overrides), cwd=tmp_path)
+        assert (result.returncode, result.stderr) == (2, f"error: scenario.yaml: {line}\n")
+
+
+def test_template_is_optional(tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli) -> None:
+    """A scenario may run a script it does not copy (an absolute path); without ``template``
+    the trial folder holds no file of the user's, and the command check says so."""
+    script = tmp_path / "elsewhere" / "train.py"
+    script.parent.mkdir()
+    script.write_text("from hpo.results import report\nreport(val_error=0.5)\n")
+    path = write_scenario(tmp_path, drop=("template",), template_text=None, command=f"python {script}")
+    assert load_scenario(path).template == ()
+    assert run_cli("validate", path, cwd=tmp_path).returncode == 0
+    result = run_cli("validate", write_scenario(tmp_path, drop=("template",), template_text=None), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: command: train.py is neither a file of the trial folder"), result.stderr
