@@ -536,13 +536,14 @@ def export_rows(ctx: Context, out: Any, rows: Sequence[Any] | None = None) -> in
     """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
     configuration a row runs again) from ``rows`` (default: the study's); return the number of rows."""
     from hpo.rows import repeat_of
+    from hpo.scenario import RESULTS_COLUMNS
 
     scenario = ctx.scenario
     rows = _snapshot(ctx) if rows is None else rows
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
     params = _param_columns(scenario, rows)
     writer = csv.writer(out)
-    writer.writerow(["number", "state", *params, metric, *held_out, "duration_s", "folder", "reason", "repeat_of"])
+    writer.writerow([*RESULTS_COLUMNS[:2], *params, metric, *held_out, *RESULTS_COLUMNS[2:]])
     for row in rows:
         repeat = repeat_of(row)
         writer.writerow([row.number, row.state, *(row.params.get(p, "") for p in params),
@@ -1063,8 +1064,10 @@ def _start_forest_helper(scenario_path: str) -> None:
     opens the store. :func:`_run_sweep` stops it if the sweep's sampler has no use for it."""
     import yaml
 
+    from hpo.scenario import UniqueKeyLoader
+
     try:
-        method = yaml.safe_load(Path(scenario_path).read_text())["search"]["method"]
+        method = yaml.load(Path(scenario_path).read_text(), Loader=UniqueKeyLoader)["search"]["method"]
     except Exception:  # the scenario's own loading says what is wrong with it
         return
     if method == "smac":
