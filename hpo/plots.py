@@ -13,8 +13,9 @@ The objective's axis is chosen from the values (:func:`value_axis`): a log axis 
 span orders of magnitude, an axis clipped to the bulk when a few outliers would squash the
 rest, and the chart says so. The last three charts need two completed trials and a
 parameter that took two values among them; a chart that is not drawn is said once, with
-why, as a warning of the ``hpo.plots`` logger, and so is a conditional parameter that only
-some completed trials have, which they leave out.
+why, as a warning of the ``hpo.plots`` logger, and so is each parameter they leave out: one that
+only some completed trials have (a condition, or added to the study later), or one that every
+completed trial has with the same value.
 """
 from __future__ import annotations
 
@@ -308,9 +309,35 @@ def varying_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> 
 
 def partial_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
     """The scenario's parameters that some completed trials have and others lack (a
-    ``condition``): :func:`varying_params` leaves them out, and the charts say so."""
+    ``condition``, or one added to the study later): :func:`varying_params` leaves them out,
+    and the charts say so."""
     done = _completed(rows)
     return [n for n in parameters if 0 < sum(n in r.params for r in done) < len(done)]
+
+
+def fixed_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> dict[str, Any]:
+    """The scenario's searched parameters that every completed trial has with one same value
+    (by name, that value): :func:`varying_params` leaves them out, and the charts say so."""
+    done = _completed(rows)
+    names = [n for n, p in parameters.items() if p.type != "constant" and done and all(n in r.params for r in done)]
+    return {n: done[0].params[n] for n in names if len({repr(r.params[n]) for r in done}) == 1}
+
+
+def _left_out(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
+    """What the charts that compare parameters say they leave out, and why, one line each."""
+    charts = "importances.png, slice.png and parallel.png"
+    lines = []
+    for conditional in (True, False):
+        names = [n for n in partial_params(rows, parameters) if (parameters[n].condition is not None) == conditional]
+        if names:
+            them, were = ("it", "was") if len(names) == 1 else ("them", "were")
+            why = "a condition" if conditional else f"{them.replace('them', 'they')} {were} added to the study later"
+            lines.append(f"{charts} leave out {', '.join(names)}: only some completed trials have {them} ({why})")
+    fixed = fixed_params(rows, parameters)
+    if fixed:
+        values = ", ".join(f"{name}={value}" for name, value in fixed.items())
+        lines.append(f"{charts} leave out {', '.join(fixed)}: every completed trial has the same value ({values})")
+    return lines
 
 
 def importance_data(study: optuna.Study, params: list[str], metric: str, axis: ValueAxis,
@@ -903,10 +930,8 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
     if why is not None:
         logger.warning("importances.png, slice.png and parallel.png not drawn: %s", why)
         return paths
-    partial = partial_params(rows, scenario.parameters)
-    if partial:
-        logger.warning("importances.png, slice.png and parallel.png leave out %s: only some completed trials have "
-                       "%s (a condition)", ", ".join(partial), "it" if len(partial) == 1 else "them")
+    for line in _left_out(rows, scenario.parameters):
+        logger.warning("%s", line)
     assert history.axis is not None
     importances = importance_data(study, params, objective.metric, history.axis, scenario.search.seed)
     if importances is None:

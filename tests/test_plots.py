@@ -652,3 +652,21 @@ def test_normal_charts_keep_their_size_and_upright_labels(tmp_path: Path, monkey
     assert [text for _, text in shown_labels(parallel_axis(parallel, "lr"))] == ["0.002", "0.005", "0.01", "0.02",
                                                                                   "0.05"]
     assert parallel.get_size_inches()[0] == pytest.approx(9)
+
+
+def test_charts_say_why_they_leave_out_a_parameter_added_later_or_one_that_never_varied(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A parameter added with --allow-space-change was said to be left out for 'a condition' it
+    does not have, and one with the same value in every completed trial was left out unsaid."""
+    rows = [Row(n, "COMPLETE", {"lr": 0.001 * (n + 1), "optimizer": "adam", **({"nb_filters": 8 * n} if n > 2 else {})},
+                0.5 - n / 20) for n in range(6)]
+    parameters = {"lr": PARAMETERS["lr"], "optimizer": PARAMETERS["optimizer"], "nb_filters": PARAMETERS["nb_filters"]}
+    later = Scenario(name="later", command=("python", "train.py"), parameters=parameters,
+                     search=Search(method="tpe", trials=6, seed=1),
+                     objective=Objective(metric="val_error", direction="minimize"), path=Path("/p/later.yaml"))
+    with caplog.at_level("WARNING", logger="hpo.plots"):
+        draw_all(study_of("later", rows), later, tmp_path, rows=rows)
+    said = [r.getMessage() for r in caplog.records]
+    charts = "importances.png, slice.png and parallel.png leave out"
+    assert said == [f"{charts} nb_filters: only some completed trials have it (it was added to the study later)",
+                    f"{charts} optimizer: every completed trial has the same value (optimizer=adam)"], said
