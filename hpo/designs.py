@@ -7,7 +7,10 @@ worker asks next takes the next point. Random designs are seeded and prefix-stab
 (Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence. A grid's
 points run in a seeded random order (as Optuna's GridSampler visits them), so
 ``search.trials`` below the grid's size is a random subset spread over the grid, not one
-corner of it, and raising it later (or leaving it out) extends the same sequence.
+corner of it, and raising it later (or leaving it out) extends the same sequence. Each
+trial records the number of the point it runs (``design_index``: :func:`design_numbers`);
+a study whose CSV row or grid point under a number its trials ran changed since is refused
+on resume (:func:`hpo.spacecheck.design_change`), so rows are added at the end only.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from hpo import space
 from hpo.errors import InputError
-from hpo.scenario import DESIGN_METHODS, Scenario
+from hpo.scenario import DESIGN_METHODS, Param, Scenario
 
 Point = dict[str, Any]
 
@@ -61,12 +64,18 @@ def grid_points(scenario: Scenario) -> list[Point]:
 
 
 def csv_points(scenario: Scenario) -> list[Point]:
-    """Rows of the design CSV as points; every cell is validated before anything runs.
+    """The points of the design CSV's rows, in order (:func:`csv_rows`)."""
+    return [point for _, point in csv_rows(scenario)]
+
+
+def csv_rows(scenario: Scenario) -> list[tuple[int, Point]]:
+    """Rows of the design CSV: the line each starts on and its point; every cell is
+    validated before anything runs. A row's place in this list is its ``design_index``.
 
     The file is read as UTF-8, with or without a byte order mark (Excel's "CSV UTF-8"),
-    whatever the locale; other encodings are refused. The header must name every free
-    parameter (constants may be left out) and nothing else. A conditional parameter's cell
-    may be empty when its condition does not hold.
+    whatever the locale; other encodings are refused. Blank lines are skipped. The header
+    must name every free parameter (constants may be left out) and nothing else. A
+    conditional parameter's cell must be empty when its condition does not hold.
     """
     path = Path(scenario.search.csv or "")
     if not path.is_file():
@@ -78,11 +87,10 @@ def csv_points(scenario: Scenario) -> list[Point]:
         line = data.count(b"\n", 0, exc.start) + 1
         raise InputError(f"{path.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
                          "save it as CSV UTF-8") from None
-    rows = list(csv.reader(io.StringIO(text, newline="")))
-    rows = [row for row in rows if any(cell.strip() for cell in row)]
+    rows = _read_rows(path.name, text)
     if not rows:
         raise InputError(f"{path.name}: the design CSV is empty")
-    header = [cell.strip() for cell in rows[0]]
+    header = [cell.strip() for cell in rows[0][1]]
     params = scenario.parameters
     unknown = [name for name in header if name not in params]
     if unknown:
@@ -96,7 +104,7 @@ def csv_points(scenario: Scenario) -> list[Point]:
     if len(rows) == 1:
         raise InputError(f"{path.name}: the design CSV has a header but no rows")
     points = []
-    for line, row in enumerate(rows[1:], start=2):
+    for line, row in rows[1:]:
         if len(row) != len(header):
             raise InputError(f"{path.name} line {line}: {_plural(len(row), 'value')} for "
                              f"{_plural(len(header), 'column')}")
@@ -104,14 +112,41 @@ def csv_points(scenario: Scenario) -> list[Point]:
         values: Point = {}
         for name, p in params.items():
             if not space.is_active(p, values):
+                given = cells.get(name, "").strip()
+                if given:
+                    raise InputError(f"{path.name} line {line}, column {name}: {given} given, but "
+                                     f"{_inactive(name, p, values)}; leave the cell empty")
                 continue
             text = cells.get(name, str(p.value) if p.type == "constant" else "")
             try:
                 values[name] = space.coerce(name, p, text)
             except ValueError as exc:
                 raise InputError(f"{path.name} line {line}, column {name}: {exc}") from None
-        points.append(values)
+        points.append((line, values))
     return points
+
+
+def _read_rows(name: str, text: str) -> list[tuple[int, list[str]]]:
+    """The CSV's rows that hold anything, each with the line it starts on."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows = []
+    line = 1
+    try:
+        for row in reader:
+            if any(cell.strip() for cell in row):
+                rows.append((line, row))
+            line = reader.line_num + 1
+    except csv.Error as exc:
+        raise InputError(f"{name} line {reader.line_num}: {exc}") from None
+    return rows
+
+
+def _inactive(name: str, p: Param, values: Point) -> str:
+    """``mom is active only when opt is sgd (this row has opt=adam)``."""
+    wanted = " and ".join(f"{parent} is {' or '.join(map(str, allowed if isinstance(allowed, list) else [allowed]))}"
+                          for parent, allowed in (p.condition or {}).items())
+    has = ", ".join(f"{parent}={values[parent]}" if parent in values else f"no {parent}" for parent in p.condition or {})
+    return f"{name} is active only when {wanted} (this row has {has})"
 
 
 def grid_order(scenario: Scenario) -> list[Point]:

@@ -1,6 +1,6 @@
-"""Is a resumed study's search space still the one its trials were run in?
+"""Are a resumed study's search space and design still the ones its trials were run in?
 
-Two kinds of change are refused. :func:`stored_change` names a change that the study
+Three kinds of change are refused. :func:`stored_change` names a change that the study
 cannot store at all: Optuna keeps one distribution per parameter name across a study's
 trials and refuses a trial whose distribution differs in kind (int, float, categorical),
 in scale (log) or, for a categorical, in its choices (any change: added, removed or
@@ -10,23 +10,35 @@ reordered). Such a scenario needs a new study, whatever ``--allow-space-change``
 with the scenario's and names the first change that would make the history mean something
 else: a parameter removed, renamed or added, a type, scale, step, condition or constant
 changed, a range narrowed, a choice removed. ``--allow-space-change`` accepts these.
-Widening a numeric range is sound and allowed.
+Widening a numeric range is sound and allowed (but for a grid: below).
+
+:func:`design_change` names a design point that a trial ran from and that the scenario now
+says otherwise (an edited or inserted CSV row, a grid renumbered by a widened range): the
+design would run points twice or never, so it is refused whatever ``--allow-space-change``
+says.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo import space
+from hpo import designs, space
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
 
+    from hpo.rows import TrialRow
+    from hpo.scenario import Param, Scenario
     from hpo.space import Params
 
 Described = Mapping[str, Mapping[str, Any]]
 _FIXED_KEYS = ("type", "log", "step", "condition", "value", "distribution", "mean", "std")
 _KINDS = {"IntDistribution": "int", "FloatDistribution": "float", "CategoricalDistribution": "categorical"}
+_CSV_HOW = "rows already run must stay as they were: add new rows at the end, or start a new study with another name"
+_GRID_HOW = ("so points would run twice or never; give the parameters the values the study ran with, or start a new "
+             "study with another name")
 
 
 def stored_change(stored: Mapping[str, BaseDistribution], params: Params) -> str | None:
@@ -84,3 +96,65 @@ def _param_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str | 
     if removed:
         return f"choice {removed[0]!r} was removed"
     return None
+
+
+def design_change(scenario: Scenario, rows: Iterable[TrialRow]) -> str | None:
+    """A one-line description of the first design point (by ``design_index``) whose values
+    the scenario now gives otherwise than a trial of ``rows`` ran it with, or None.
+
+    A trial is tied to its point by ``design_index``: a CSV row's place among the file's
+    rows (whatever ``search.trials``; rows may repeat a point), a grid point's place in the
+    grid's natural order (:func:`hpo.designs.grid_points`). The values of the free
+    parameters that both hold are compared, as their types say (floats to a relative 1e-9);
+    which parameters are active follows from those values unless a condition changed, which
+    :func:`space_change` judges. Random designs are points of a seeded unit cube, mapped
+    through the space, and are not compared.
+    """
+    method = scenario.search.method
+    ran = sorted((row for row in rows if row.design_index is not None),
+                 key=lambda row: (row.design_index, row.number))
+    if method not in ("csv", "grid") or not ran:
+        return None
+    params = scenario.parameters
+    free = space.free_parameters(params)
+    listed = designs.csv_rows(scenario) if method == "csv" else list(enumerate(designs.grid_points(scenario)))
+    for row in ran:
+        held = {name: row.params[name] for name in free if name in row.params}
+        index = row.design_index
+        assert index is not None
+        line, now = listed[index] if index < len(listed) else (None, None)
+        changed = [name for name, value in held.items()
+                   if now is None or (name in now and not _same(params[name], now[name], value))]
+        if not changed:
+            continue
+        ran_as = _show(held, free)
+        if method == "csv":
+            file = Path(scenario.search.csv or "").name
+            if now is None:
+                return (f"{file}: trial {row.number} ran {ran_as} from data row {index + 1}, but the file's rows "
+                        f"now end at data row {len(listed)}; {_CSV_HOW}")
+            return f"{file} line {line}: the row now says {_show(now, free)}, but trial {row.number} ran {ran_as} " \
+                   f"from it; {_CSV_HOW}"
+        if now is None:
+            return (f"parameters: the grid changed: trial {row.number} ran {ran_as} as its point {index}, but its "
+                    f"points now end at point {len(listed) - 1}, {_GRID_HOW}")
+        return (f"parameters.{changed[0]}: the grid changed: its point {index} is now {_show(now, free)}, but trial "
+                f"{row.number} ran {ran_as} as that point, {_GRID_HOW}")
+    return None
+
+
+
+def _show(point: Mapping[str, Any], names: list[str]) -> str:
+    """``x=0.1 y=1 opt=sgd``: the point's values of ``names``, in that order, in full."""
+    return " ".join(f"{name}={point[name]}" for name in names if name in point)
+
+
+def _same(param: Param, now: Any, ran: Any) -> bool:
+    """Whether ``now`` (the design's value) is ``ran`` (a trial's) as ``param``'s type compares them."""
+    if param.type in ("int", "float") and _number(now) and _number(ran):
+        return bool(now == ran) if param.type == "int" else math.isclose(now, ran, rel_tol=1e-9)
+    return bool(now == ran) and isinstance(now, bool) == isinstance(ran, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

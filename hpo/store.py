@@ -38,7 +38,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
-from hpo.spacecheck import space_change, stored_change
+from hpo.spacecheck import design_change, space_change, stored_change
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
@@ -257,18 +257,21 @@ class StudyStore:
         self.call(self.study.set_user_attr, key, value)
 
     def check_space(self, allow_space_change: bool = False) -> None:
-        """Raise InputError, writing nothing, unless the scenario's space may resume the study:
-        a change the study cannot store (:func:`hpo.spacecheck.stored_change`) is refused
-        always, another unsound one (:func:`hpo.spacecheck.space_change`) unless
-        ``allow_space_change``."""
+        """Raise InputError, writing nothing, unless the scenario's space and design may resume
+        the study: a change the study cannot store (:func:`hpo.spacecheck.stored_change`) is
+        refused always, another unsound one (:func:`hpo.spacecheck.space_change`) unless
+        ``allow_space_change``, a design point its trials ran from and the scenario now gives
+        otherwise (:func:`hpo.spacecheck.design_change`) always."""
         self._check_stored()
         recorded = self.user_attrs.get(STUDY_PARAMETERS)
-        if recorded is None or allow_space_change:
-            return
-        change = space_change(recorded, space.describe(self.scenario.parameters))
+        change = None if recorded is None or allow_space_change else \
+            space_change(recorded, space.describe(self.scenario.parameters))
         if change is not None:
             raise InputError(f"{change}: the study {self.scenario.name} was run in another search space "
                              "(resume with --allow-space-change to accept it, or use a new name)")
+        edited = design_change(self.scenario, self.rows())
+        if edited is not None:
+            raise InputError(edited)
 
     def _check_stored(self) -> None:
         """Raise InputError if a parameter's distribution differs from the one the study's

@@ -229,6 +229,11 @@ def test_csv_trials_take_the_first_rows(tmp_path: Path, write_scenario: WriteSce
         ("lr,units,opt,momentum\n0.1,2.5,sgd,0\n", "column units: '2.5' is not a whole number"),
         ("lr,units,opt,momentum\n0.1,1,lbfgs,0\n", "column opt: 'lbfgs' is not one of sgd, adam"),
         ("lr,units,opt,momentum\n0.1,1,sgd,\n", "design.csv line 2, column momentum: '' is not a number"),
+        ("lr,units,opt,momentum\n0.1,1,adam,0.5\n", ("design.csv line 2, column momentum: 0.5 given, but "
+                                                      "momentum is active only when opt is sgd (this row has "
+                                                      "opt=adam); leave the cell empty")),
+        ("lr,units,opt,momentum\n\n0.1,1,sgd,0\n\n0.1,x,sgd,0\n", "design.csv line 5, column units: 'x' is not"),
+        ('lr,units,opt,momentum\n"0.1\n",1,sgd,0\n0.1,x,sgd,0\n', "design.csv line 4, column units: 'x' is not"),
     ],
 )
 def test_csv_errors_name_file_line_and_column(tmp_path: Path, write_scenario: WriteScenario, text: str,
@@ -237,6 +242,22 @@ def test_csv_errors_name_file_line_and_column(tmp_path: Path, write_scenario: Wr
     with pytest.raises(InputError) as info:
         designs.design_points(scenario)
     assert message in str(info.value)
+
+
+def test_csv_value_for_a_parameter_whose_condition_does_not_hold(tmp_path: Path,
+                                                                  write_scenario: WriteScenario) -> None:
+    parameters = {"opt": {"type": "categorical", "choices": ["sgd", "rms", "adam"]},
+                  "nesterov": {"type": "bool", "condition": {"opt": "sgd"}},
+                  "momentum": {"type": "float", "low": 0.0, "high": 1.0,
+                               "condition": {"opt": ["sgd", "rms"], "nesterov": True}}}
+    path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"), parameters=parameters,
+                          search={"method": "csv", "csv": "design.csv", "trials": None},
+                          files={"design.csv": "opt,nesterov,momentum\nsgd,true,0.9\nrms,,0.9\n"})
+    with pytest.raises(InputError) as info:
+        designs.design_points(load_scenario(path))
+    assert str(info.value) == ("design.csv line 3, column momentum: 0.9 given, but momentum is active only when opt "
+                               "is sgd or rms and nesterov is True (this row has opt=rms, no nesterov); leave the "
+                               "cell empty")
 
 
 def test_csv_missing_file_and_too_many_trials(tmp_path: Path, write_scenario: WriteScenario) -> None:
