@@ -296,10 +296,10 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the sweep to the end (resumable); --workers K runs K optimizer processes. Output
-    redirected to a file whose disk fills is dropped, not fatal (:mod:`hpo.worker_logs`)."""
-    from hpo.worker_logs import output_dropped_while_full
+    that a full disk or a closed pipe refuses is dropped, not fatal (:mod:`hpo.worker_logs`)."""
+    from hpo.worker_logs import output_dropped_when_refused
 
-    with output_dropped_while_full():
+    with output_dropped_when_refused():
         return _run(args)
 
 
@@ -376,10 +376,10 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
-    from hpo.worker_logs import PipeToRun, output_dropped_while_full
+    from hpo.worker_logs import PipeToRun, output_dropped_when_refused
 
     if not _started_by_run(args):
-        with output_dropped_while_full():
+        with output_dropped_when_refused():
             return _work(args)
     log = Path(args.log) if args.log else None
     sys.stdout, sys.stderr = PipeToRun(sys.stdout, log), PipeToRun(sys.stderr, log)

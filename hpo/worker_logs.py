@@ -13,9 +13,9 @@ lines are kept even where it stops for an error of its own; a worker whose hpo r
 (killed) goes on stopping as the signal it gets then asks, appending its last lines to its log
 itself (:class:`PipeToRun`).
 
-The sweep's own output, redirected to a file (``hpo run ... > run.log``), is no more fatal on a
-full disk: what the disk refuses is dropped and counted, the sweep runs on
-(:class:`DroppedWhileFull`).
+The sweep's own output, redirected to a file or a pipe, is no more fatal on a full disk or when
+the pipe's reader has gone: what is refused is dropped (and counted, in a file), the sweep runs on
+(:class:`DroppedWhenRefused`).
 """
 from __future__ import annotations
 
@@ -210,13 +210,14 @@ class PipeToRun(io.TextIOBase):
         return self._fileno
 
 
-class DroppedWhileFull(io.TextIOBase):
-    """``sys.stdout`` or ``sys.stderr`` of a sweep whose output is redirected to a file
-    (``hpo run ... > run.log``): what its disk refuses (full, a quota) is dropped, not raised,
-    so that the sweep runs on, and recorded, without the lines it would have shown. The first
-    refusal is said on ``other``, the sweep's other stream; once the file takes lines again, it
-    is told how many were dropped there. Each write goes to the file at once, unbuffered, so
-    that nothing refused waits in a buffer to be written out of turn later."""
+class DroppedWhenRefused(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` of a sweep whose output goes to a file or a pipe
+    (``hpo run ... > run.log``, ``hpo run ... | head``): what the file's disk refuses (full, a
+    quota) is dropped, and so is everything once the pipe's reader has gone, so that the sweep
+    runs on, and records every trial, without the lines it would have shown. The first refusal
+    is said on ``other``, the sweep's other stream; once a file takes lines again, it is told
+    how many were dropped there. Each write goes out at once, unbuffered, so that nothing
+    refused waits in a buffer to be written out of turn later."""
 
     def __init__(self, stream: TextIO, name: str, other: TextIO) -> None:
         with contextlib.suppress(OSError):
@@ -228,6 +229,7 @@ class DroppedWhileFull(io.TextIOBase):
         self._other = other
         self._dropped = 0
         self._line_begun = False  # a refused write left part of a line in the file
+        self._closed = False  # the pipe's reader is gone: nothing more is written
 
     def writable(self) -> bool:
         return True
@@ -243,6 +245,8 @@ class DroppedWhileFull(io.TextIOBase):
         return self._encoding
 
     def write(self, text: str) -> int:
+        if self._closed:
+            return len(text)
         own = text.encode(self._encoding, "replace")
         note = b""
         if self._dropped:
@@ -252,14 +256,17 @@ class DroppedWhileFull(io.TextIOBase):
         try:
             while written < len(data):
                 written += os.write(self._fd, data[written:])
+        except BrokenPipeError:
+            self._closed = True
+            self._say(f"hpo: the reader of {self._name} has gone: what this sweep prints is dropped from now on; "
+                      "it runs on and records every trial (hpo status shows them)")
+            return len(text)
         except OSError as exc:
             if not disk_full(exc):
                 raise
             if not self._dropped:
-                with contextlib.suppress(OSError):
-                    self._other.write(f"hpo: {self._name} refuses what this sweep prints ({exc.strerror or exc}): "
-                                      f"its lines are dropped meanwhile; the sweep runs on and records every trial\n")
-                    self._other.flush()
+                self._say(f"hpo: {self._name} refuses what this sweep prints ({exc.strerror or exc}): its lines are "
+                          "dropped meanwhile; the sweep runs on and records every trial")
             self._line_begun = not data[:written].endswith(b"\n") if written else self._line_begun
             unwritten = own[max(0, written - len(note)):]
             self._dropped += max(int(bool(unwritten)), unwritten.count(b"\n"))  # a line cut short counts
@@ -267,26 +274,32 @@ class DroppedWhileFull(io.TextIOBase):
         self._dropped, self._line_begun = 0, False
         return len(text)
 
+    def _say(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            self._other.write(line + "\n")
+            self._other.flush()
+
 
 @contextlib.contextmanager
-def output_dropped_while_full() -> Iterator[None]:
-    """Within, stdout and stderr, where they are files (not a terminal, not a pipe), are
-    :class:`DroppedWhileFull`."""
+def output_dropped_when_refused() -> Iterator[None]:
+    """Within, stdout and stderr, where they go to a file or a pipe (not a terminal), are
+    :class:`DroppedWhenRefused`."""
     out, err = sys.stdout, sys.stderr
-    if _is_file(out):
-        sys.stdout = DroppedWhileFull(out, "stdout", err)
-    if _is_file(err):
-        sys.stderr = DroppedWhileFull(err, "stderr", out)
+    if _file_or_pipe(out):
+        sys.stdout = DroppedWhenRefused(out, "stdout", err)
+    if _file_or_pipe(err):
+        sys.stderr = DroppedWhenRefused(err, "stderr", out)
     try:
         yield
     finally:
         sys.stdout, sys.stderr = out, err
 
 
-def _is_file(stream: TextIO) -> bool:
+def _file_or_pipe(stream: TextIO) -> bool:
     try:
-        return written_to_disk(stream.fileno())
-    except (ValueError, io.UnsupportedOperation):
+        fd = stream.fileno()
+        return written_to_disk(fd) or stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except (OSError, ValueError, io.UnsupportedOperation):
         return False
 
 

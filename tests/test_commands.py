@@ -34,6 +34,24 @@ def test_status_into_a_closed_pipe_exits_0(tmp_path: Path, write_scenario: Write
     assert status.stderr is not None and status.stderr.read() == b""
 
 
+def test_a_sweep_whose_output_pipe_closes_runs_on_and_records_every_trial(tmp_path: Path,
+                                                                         write_scenario: WriteScenario) -> None:
+    """``hpo run ... | head -1``: the sweep ended at its next line with exit 0, leaving a trial
+    RUNNING with no worker and the rest not run. Now it says once that its reader has gone,
+    and runs to the end."""
+    scenario = write_scenario(tmp_path, search={"method": "monte_carlo", "trials": 6, "seed": 1})
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(scenario)], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout is not None and run.stdout.readline().startswith("sweep demo: ")
+    run.stdout.close()
+    assert run.wait(timeout=120) == 0
+    assert run.stderr is not None and run.stderr.read() == (
+        "hpo: the reader of stdout has gone: what this sweep prints is dropped from now on; it runs on and records "
+        "every trial (hpo status shows them)\n")
+    rows = list(csv.DictReader(io.StringIO(run_hpo("export", scenario).stdout)))
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 6
+
+
 def test_two_studies_may_not_share_a_workdir(tmp_path: Path, write_scenario: WriteScenario) -> None:
     first = write_scenario(tmp_path / "a")
     second = write_scenario(tmp_path / "b", name="other")
