@@ -4,7 +4,9 @@
 ``lhs``, ``grid``, ``csv``) as parameter dicts, or None for model-based methods, which
 propose points one at a time. The engine enqueues the points in the study, so whichever
 worker asks next takes the next point. Random designs are seeded and prefix-stable
-(Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence. A grid's
+(Monte Carlo and Sobol): raising ``search.trials`` later extends the same sequence; a Latin
+hypercube is drawn for its number of points, so raised, its points beyond the old number come
+from a larger one (the README says so). A grid's
 points run in a seeded random order (as Optuna's GridSampler visits them), so
 ``search.trials`` below the grid's size is a random subset spread over the grid, not one
 corner of it, and raising it later (or leaving it out) extends the same sequence. Each
