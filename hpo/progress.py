@@ -130,6 +130,12 @@ def past_budget_note(t: Tally) -> str:
     return f" (budget {t.budget}: reached)" if t.done > t.budget else ""
 
 
+def unreported(rows: list[TrialRow], held_out: tuple[str, ...]) -> list[str]:
+    """The held-out metrics that no completed trial of ``rows`` reported (none if no trial completed)."""
+    done = [row for row in rows if row.outcome is Outcome.COMPLETE]
+    return [name for name in held_out if done and not any(name in row.held_out for row in done)]
+
+
 def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
     """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...`` (its
     metrics to ``digits`` significant digits);
@@ -213,8 +219,10 @@ class ProgressView:
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        rows: list[TrialRow] = []
         try:
-            final = self._read()
+            rows = self._store.rows()
+            final = tally(rows, self._budget, self._objective.direction)
         except Exception:  # the store is down: the last counts seen
             final = self._tally
         with self._lock:
@@ -223,6 +231,9 @@ class ProgressView:
         if self._live is not None:
             self._live.__exit__(None, None, None)
         self._print(summary_line(final, self._objective.metric))
+        for name in unreported(rows, self._objective.held_out):
+            self._print(f"note: no completed trial reported the held-out metric {name} (objective.held_out): "
+                        "is that the name the script prints?")
 
     def _print(self, text: str) -> None:
         self._console.print(text, highlight=False, markup=False, soft_wrap=True)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import run_hpo
 from rich.console import Console
 
 from hpo.engine import TrialEnd, TrialStart
@@ -149,7 +150,8 @@ def test_trials_done_past_a_lowered_budget_are_said_plainly() -> None:
 
 
 def test_the_view_says_a_lowered_budget_plainly(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    store = Store(load_scenario(write_scenario(tmp_path)), tuple(_row(n, 0.3) for n in range(6)))
+    scenario = load_scenario(write_scenario(tmp_path, objective={"held_out": []}))
+    store = Store(scenario, tuple(_row(n, 0.3) for n in range(6)))
     out = io.StringIO()
     with ProgressView(store, 2, "1 slot", Console(file=out, width=300)):  # type: ignore[arg-type]
         pass
@@ -164,3 +166,14 @@ def test_the_view_says_a_lowered_budget_plainly(tmp_path: Path, write_scenario: 
     shown = io.StringIO()
     Console(file=shown, width=300).print(normal._render())
     assert shown.getvalue().startswith("6/8 done  6 complete  0 failed")
+
+
+def test_a_held_out_metric_no_completed_trial_reported_is_said_at_the_end(tmp_path: Path,
+                                                                          write_scenario: WriteScenario) -> None:
+    """A typo in objective.held_out was an empty column and nothing more."""
+    scenario = write_scenario(tmp_path, objective={"held_out": ["test_error", "tset_error"]})
+    done = run_hpo("run", scenario)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("note: no completed trial reported the held-out metric tset_error "
+                                "(objective.held_out): is that the name the script prints?\n"), done.stdout
+    assert "test_error (objective" not in done.stdout
