@@ -207,14 +207,14 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     watch = _Watch()
     process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
     exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
-    disk_full = process.disk_full
+    disk_full, sigkill_after = process.disk_full, process.sigkill_after_s
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
         watch = _Watch(watch.paused_s)
         post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
                            on_lines, watch(control.end_request))
         exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
-        disk_full = post.disk_full
+        disk_full, sigkill_after = post.disk_full, post.sigkill_after_s
         if exit_code != 0 and ended_by is None:
             ended_by = _with_line(f"post_process exit code {exit_code}", tail, or_last_line=True)
     if disk_full and ended_by not in EARLY_ENDS:  # ended for its log, whose disk is full: no fault of its own
@@ -223,7 +223,8 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
         with contextlib.suppress(FolderFull):  # the sweep records it: result.json is a backup
             save_result(folder, spec.number, result, watch.paused_s)
         raise FolderFull(ended_by, result)
-    result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at)
+    result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at,
+                   sigkill_after)
     return save_result(folder, spec.number, result, watch.paused_s)
 
 
@@ -266,7 +267,7 @@ def not_started(spec: TrialSpec, request: str) -> TrialResult:
 
 def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str | None,
           tail: Sequence[str], duration_s: float, timeout: float | None,
-          pruned_at: int | None = None) -> TrialResult:
+          pruned_at: int | None = None, sigkill_after_s: float | None = None) -> TrialResult:
     """Decide how a finished trial ended (the one place where outcomes are judged).
 
     Held-out metrics are final results: a trial that ended early (pruned, stopped, timed out,
@@ -284,6 +285,8 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         duration_s: seconds it ran (with its post_process).
         timeout: the time limit it had (for the command and its post_process together).
         pruned_at: the step whose value the pruner judged when it said prune, if known.
+        sigkill_after_s: where ending it early took SIGKILL (it ignored SIGTERM), how long
+            after SIGTERM (:attr:`hpo.launch.ProcessResult.sigkill_after_s`); a timeout's reason says so.
     """
     kept = {} if ended_by in EARLY_ENDS else {name: metrics.final[name] for name in objective.held_out
                              if name in metrics.final and math.isfinite(metrics.final[name])}
@@ -294,7 +297,8 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         return TrialResult(outcome, value, kept, duration_s, reason, step)
 
     if ended_by == "timeout":
-        return ended(Outcome.TIMEOUT, f"killed after {timeout:g} s (resources.timeout)")
+        late = "" if sigkill_after_s is None else f"; it ignored SIGTERM and was killed {sigkill_after_s:g} s later"
+        return ended(Outcome.TIMEOUT, f"killed after {timeout:g} s (resources.timeout{late})")
     if ended_by == "pruned":
         return ended(Outcome.PRUNED, f"pruned at step {step}")
     if ended_by == "stopped":

@@ -6,9 +6,11 @@ divided among all the slots of the machine, whichever worker process owns them. 
 trial's command is an argument list, never a shell string; under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
 runs in its own session; its output is logged as it comes and handed on in order, every
-line of it before the run returns; on timeout, stop, interrupt or a log that cannot be
-written the whole tree is killed. Every process carries ``HPO_TRIAL_TOKEN``: when the trial's
-process ends, those that left its tree are killed by it, as are orphans of a killed sweep.
+line of it before the run returns; on timeout, stop, prune, interrupt or a log that cannot be
+written the whole tree is killed, with one grace for all of it: SIGTERM to every process at
+once, SIGKILL to those still running :data:`KILL_GRACE_S` later. Every process carries
+``HPO_TRIAL_TOKEN``: those that left the tree (``setsid``) are killed with it, or once the
+trial's process has ended by itself, as are orphans of a killed sweep.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ TOKEN_ENV = "HPO_TRIAL_TOKEN"
 GPU_ENV = "HPO_GPUS"
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 KILL_GRACE_S = 5.0
+"""Seconds a trial's process tree has to exit after SIGTERM before SIGKILL (:func:`kill_tree`)."""
 MACHINE_LIMITS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
 """Errors of a refused start that are a limit of the machine or of hpo's shell, not the trial's
 fault: the sweep stops, and the trial runs again on resume."""
@@ -272,13 +275,15 @@ def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
 class ProcessResult:
     """How a trial's process ended: exit code, what ended it early (if anything), seconds;
     ``disk_full``: the log's disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line),
-    which is no fault of the process."""
+    which is no fault of the process; ``sigkill_after_s``: ended early, its tree ignored SIGTERM
+    and was killed with SIGKILL this many seconds later (:data:`KILL_GRACE_S`), else None."""
 
     exit_code: int
     ended_by: str | None
     duration_s: float
     pid: int
     disk_full: bool = False
+    sigkill_after_s: float | None = None
 
 
 def die_with_parent() -> None:
@@ -289,15 +294,96 @@ def die_with_parent() -> None:
         pass
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL what is left of a finished trial's process group (stray background work)."""
+def kill_tree(pid: int, grace_s: float | None = None, child: subprocess.Popen[bytes] | None = None,
+              token: str | None = None) -> float | None:
+    """End ``pid``'s process tree with one grace for all of it: SIGTERM at once to its process
+    group, every descendant and, given ``token``, every process that carries it (those that
+    left the tree: ``setsid``, a double fork); SIGKILL ``grace_s`` later (default
+    :data:`KILL_GRACE_S`) to those still running and to whatever the group or ``token`` then
+    has. Returns the grace where SIGKILL found some still running (they ignored SIGTERM), else None.
+
+    Pass ``child`` when ``pid`` is our own child, so that its Popen object reaps it (and
+    keeps its exit code) rather than psutil.
+    """
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + ([] if child is not None else [root])
+    except psutil.NoSuchProcess:
+        procs = []
+    return _end(procs + (_carrying(token, procs, pid) if token is not None else []), {pid}, grace_s, child, token)
+
+
+def kill_by_token(token: str, grace_s: float = 2.0) -> int:
+    """Kill every process of this user whose environment carries ``token``, and their trees,
+    with one grace for all (:func:`kill_tree`); return how many carried it."""
+    found = _carrying(token)
+    trees = []
+    for proc in found:
+        try:
+            trees += proc.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+    _end(found + trees, {proc.pid for proc in found if _group_of(proc.pid) == proc.pid}, grace_s, None, token)
+    return len(found)
+
+
+def _carrying(token: str, known: Sequence[psutil.Process] = (), skip: int | None = None) -> list[psutil.Process]:
+    """The processes of this user but this one (and ``skip``) whose environment carries
+    ``token``, other than those ``known``."""
+    left_out = {os.getpid(), skip, *(proc.pid for proc in known)}
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid not in left_out and proc.environ().get(TOKEN_ENV) == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _group_of(pid: int) -> int | None:
+    """The process group of process ``pid``; None once it is gone."""
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _end(procs: Sequence[psutil.Process], groups: set[int], grace_s: float | None,
+         child: subprocess.Popen[bytes] | None, token: str | None) -> float | None:
+    """SIGTERM the process ``groups``, and ``procs`` and ``child`` outside them, at once (each
+    process gets one); SIGKILL those still running ``grace_s`` later, with whatever is then
+    left in the groups or carries ``token`` (started during the grace). The grace where
+    SIGKILL was needed, else None (see :func:`kill_tree`)."""
+    grace = KILL_GRACE_S if grace_s is None else grace_s
+    for group in groups:
+        _signal_group(group, signal.SIGTERM)
+    if child is not None and _group_of(child.pid) not in groups:
+        child.terminate()
+    _signal_all([proc for proc in procs if _group_of(proc.pid) not in groups], kill=False)
+    alive, child_alive = _outlast(procs, child, time.monotonic() + grace)
+    if child is not None and child_alive:
+        child.kill()
+    for group in groups:
+        _signal_group(group, signal.SIGKILL)
+    left = alive + (_carrying(token, alive, None if child is None else child.pid) if token is not None else [])
+    _signal_all(left, kill=True)
+    _outlast(left, None, time.monotonic() + grace)
+    if child is not None and child_alive:
+        child.wait()
+    return grace if alive or child_alive else None
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    """Send ``signum`` to process group ``pgid``, if there is one."""
+    try:
+        os.killpg(pgid, signum)
     except (ProcessLookupError, PermissionError):
         pass
 
 
 def _signal_all(procs: Sequence[psutil.Process], kill: bool) -> None:
+    """SIGKILL (``kill``) or SIGTERM each of ``procs`` that still exists."""
     for proc in procs:
         try:
             proc.kill() if kill else proc.terminate()
@@ -305,45 +391,20 @@ def _signal_all(procs: Sequence[psutil.Process], kill: bool) -> None:
             pass
 
 
-def kill_tree(pid: int, grace_s: float = KILL_GRACE_S, child: subprocess.Popen[bytes] | None = None) -> None:
-    """Terminate ``pid``, its process group and every descendant; SIGKILL after ``grace_s``.
-
-    Pass ``child`` when ``pid`` is our own child, so that its Popen object reaps it (and
-    keeps its exit code) rather than psutil.
-    """
-    try:
-        root = psutil.Process(pid)
-        others = root.children(recursive=True) + ([] if child is not None else [root])
-    except psutil.NoSuchProcess:
-        others = []
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    _signal_all(others, kill=False)
-    if child is not None:
-        try:
-            child.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    alive = _wait_gone(others, grace_s)
-    _signal_all(alive, kill=True)
-    _wait_gone(alive, grace_s)
-    _kill_group(pid)
-
-
-def _wait_gone(procs: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait up to ``timeout`` for ``procs`` to exit, reaping our own children; return those
-    still running. A zombie has exited (an orphan's zombie waits for init to reap it)."""
-    deadline = time.monotonic() + timeout
+def _outlast(procs: Sequence[psutil.Process], child: subprocess.Popen[bytes] | None,
+             deadline: float) -> tuple[list[psutil.Process], bool]:
+    """Wait until ``deadline`` (``time.monotonic()``) for ``procs`` and ``child`` to exit, reaping
+    our own children; those of ``procs`` still running, and whether ``child`` is. A zombie has
+    exited (an orphan's zombie waits for init to reap it)."""
     alive = list(procs)
-    while alive:
-        _, alive = psutil.wait_procs(alive, timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
-        alive = [proc for proc in alive if not _zombie(proc)]
-        if time.monotonic() >= deadline:
-            break
-    return alive
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        if alive:
+            _, alive = psutil.wait_procs(alive, timeout=min(POLL_S, left))
+            alive = [proc for proc in alive if not _zombie(proc)]
+        child_alive = child is not None and not _exits_within(child, 0.0 if alive else min(POLL_S, left))
+        if not (alive or child_alive) or time.monotonic() >= deadline:
+            return alive, child_alive
 
 
 def _zombie(proc: psutil.Process) -> bool:
@@ -352,20 +413,6 @@ def _zombie(proc: psutil.Process) -> bool:
         return proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def kill_by_token(token: str) -> int:
-    """Kill every process of this user whose environment carries ``token``; return how many."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(TOKEN_ENV) == token:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    for proc in found:
-        kill_tree(proc.pid, grace_s=2.0)
-    return len(found)
 
 
 def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path: Path,
@@ -415,6 +462,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         reader.start()
         handler.start()
         ended_by: str | None = None
+        sigkill_after: float | None = None
         try:
             ended_by = should_end()
             while ended_by is None and not _exits_within(proc, POLL_S):
@@ -428,17 +476,18 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
             ended.set()
             try:
                 if proc.poll() is None:
-                    kill_tree(proc.pid, child=proc)
-                else:
-                    _kill_group(proc.pid)
-                if TOKEN_ENV in env:
-                    kill_by_token(env[TOKEN_ENV])
+                    sigkill_after = kill_tree(proc.pid, child=proc, token=env.get(TOKEN_ENV))
+                else:  # what it left behind is stray background work
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    if TOKEN_ENV in env:
+                        kill_by_token(env[TOKEN_ENV])
             finally:
                 duration = time.monotonic() - start
                 _join_reader(reader, output)
                 output.close()
                 handler.join()
-    return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid, output.disk_full)
+    return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid, output.disk_full,
+                         sigkill_after)
 
 
 def _raise_if_machine_limit(exc: OSError, what: str) -> None:
