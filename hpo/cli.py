@@ -509,7 +509,7 @@ def _reason(row: Any) -> str:
     """Which trial the row runs again (``rerun of #2``), then its reason, if it has them
     (``rerun of #2: exit code 3``): a failed rerun still says what it reran."""
     again = next((f"{label} #{number}" for label, number in
-                  (("requeue of", row.requeue_of), ("retry of", row.retry_of), ("rerun of", row.rerun_of))
+                  (("retry of", row.retry_of), ("requeue of", row.requeue_of), ("rerun of", row.rerun_of))
                   if number is not None), "")
     return ": ".join(part for part in (again, row.reason) if part)
 

@@ -8,7 +8,8 @@ rerun``). Re-runs are queued as WAITING trials with the same parameters and are 
 before anything new while the budget has room; once it is spent (``search.trials`` lowered
 below what ran and was queued), they stay WAITING, unrun, until it is raised. A queued copy
 of a rerun uses no budget: the next ``hpo run`` or ``hpo rerun`` of the same trial claims
-it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A design's next
+it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A rerun that
+fails is a finding, not retried (``search.retry_failed`` is for the sweep's trials). A design's next
 point is its first point that no trial covers yet, so every point runs exactly once
 whatever crashed in between.
 
@@ -267,7 +268,7 @@ class Scheduler:
                 row = next(r for r in rows if r.number == claim.number)
                 if result.outcome.run_again:
                     return requeue_or_fail(store, row, rows, result, filled)
-                if row.retries < store.scenario.search.retry_failed:
+                if row.retries < store.scenario.search.retry_failed and row.rerun_of is None:  # a rerun is a check
                     requeue(store, row, rows, **{ATTR_RETRY_OF: row.number, ATTR_RETRIES: row.retries + 1})
                 return result
 

@@ -272,6 +272,7 @@ def test_status_names_each_kind_of_repeat_as_its_csv_column_does() -> None:
 
     assert _reason(row(requeue_of=4)) == "requeue of #4"
     assert _reason(row(retry_of=4)) == "retry of #4"
+    assert _reason(row(retry_of=4, requeue_of=4)) == "retry of #4"  # a retry's copy records both
     assert _reason(row("exit code 3", rerun_of=4)) == "rerun of #4: exit code 3"
     assert _reason(row("exit code 3")) == "exit code 3"
 
