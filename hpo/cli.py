@@ -68,49 +68,76 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
     ctx = _context(args)
     if existing_study:
         _store(ctx)
-    flag = "--workdir" if args.workdir else "workdir"
-    _made_folder(ctx.workdir, flag)
-    _claim_workdir(ctx, flag)
+    _made_folder(ctx.workdir, _workdir_flag(args))
+    _claim_workdir(ctx, _workdir_flag(args))
     return ctx
 
 
 WORKDIR_OWNER = ".hpo-study"
 
 
-def _workdir_owner(ctx: Context, flag: str) -> str | None:
-    """The study whose trial folders the workdir holds (its marker), None where no study
-    marked it (an empty marker, which a full disk left before markers were written whole,
-    marks none); an InputError naming ``flag`` where that is another study (trial folders are
-    named by number alone, so two studies would overwrite each other's). Writes nothing."""
-    name = ctx.scenario.name
+def _workdir_mark(ctx: Context) -> tuple[str, str] | None:
+    """What marks the workdir as a study's: its name and, once known, its ``created`` id
+    (:data:`hpo.store.STUDY_CREATED`, '' before); None where no study marked it (an empty
+    marker, which a full disk left before markers were written whole, marks none)."""
     try:
-        owner = (ctx.workdir / WORKDIR_OWNER).read_text().strip()
+        lines = (ctx.workdir / WORKDIR_OWNER).read_text().splitlines()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if not owner:
+    if not lines or not lines[0].strip():
         return None
-    if owner != name:
-        raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {owner}; "
+    return lines[0].strip(), lines[1].strip() if len(lines) > 1 else ""
+
+
+def _workdir_owner(ctx: Context, flag: str) -> str | None:
+    """The study whose trial folders the workdir holds (its marker), or None; an InputError
+    naming ``flag`` where that is another study (trial folders are named by number alone, so
+    two studies would overwrite each other's). Writes nothing."""
+    mark = _workdir_mark(ctx)
+    if mark is None:
+        return None
+    name = ctx.scenario.name
+    if mark[0] != name:
+        raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {mark[0]}; "
                          f"give study {name} a folder of its own")
-    return owner
+    return mark[0]
 
 
-def _claim_workdir(ctx: Context, flag: str) -> None:
+def _same_study(ctx: Context, flag: str, created: str | None) -> None:
+    """InputError naming ``flag`` where the workdir holds the trial folders of another study of
+    the same name (one in another store, or removed and made anew): the marker's ``created``
+    id is not ``created``, the id of the study at the context's storage (None: not made yet)."""
+    mark = _workdir_mark(ctx)
+    if mark is None or not mark[1] or mark[1] == created:
+        return
+    from hpo.storage import redact
+
+    raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of another study named {mark[0]} (created "
+                     f"{mark[1]}), not the one in {redact(ctx.storage)}; give this one a folder of its own (--workdir)")
+
+
+def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:
     """Mark the workdir as the folder of this study's trials, the marker written whole; an
-    InputError if another study marked it first (:func:`_workdir_owner`). On a full disk the
-    workdir stays unmarked until a later command finds room: what the command writes next
-    (the store, a trial's files) waits for room and says so."""
+    InputError if another study marked it first (:func:`_workdir_owner`). ``created``, the
+    study's id, is added to a marker that lacks it (:func:`_same_study` checks it). On a full
+    disk the workdir stays unmarked until a later command finds room: what the command writes
+    next (the store, a trial's files) waits for room and says so."""
     from hpo.files import replacing
     from hpo.storage import disk_full
 
-    if _workdir_owner(ctx, flag) is not None:
+    mark = _workdir_mark(ctx) if _workdir_owner(ctx, flag) else None
+    if mark is not None and (mark[1] or not created):
         return
     try:
         with replacing(ctx.workdir / WORKDIR_OWNER) as temporary:
-            temporary.write_text(ctx.scenario.name + "\n")
+            temporary.write_text(ctx.scenario.name + "\n" + (f"{created}\n" if created else ""))
     except OSError as exc:
         if not disk_full(exc):
             raise
+
+
+def _workdir_flag(args: argparse.Namespace) -> str:
+    return "--workdir" if args.workdir else "workdir"
 
 
 def _store(ctx: Context) -> Any:
@@ -272,6 +299,16 @@ def _say_notice(line: str) -> None:
     print(line if line.startswith("hpo: ") else f"hpo: {line}", flush=True)
 
 
+def _prepare(sweep: Any, ctx: Context, args: argparse.Namespace) -> None:
+    """Prepare ``sweep`` (:meth:`hpo.engine.Sweep.prepare`) once the workdir is known to hold
+    no other study's trials (:func:`_same_study`); then mark it with the study's id."""
+    from hpo.store import STUDY_CREATED
+
+    _same_study(ctx, _workdir_flag(args), sweep.store.user_attrs.get(STUDY_CREATED))
+    sweep.prepare()
+    _claim_workdir(ctx, _workdir_flag(args), sweep.store.user_attrs.get(STUDY_CREATED))
+
+
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
                executor: Any = None) -> int:
     from hpo import forest_service
@@ -282,7 +319,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         sweep = Sweep(_sweep_config(ctx, slots, seed, args), executor)
         if not sweep.uses_forest:
             forest_service.stop()
-        sweep.prepare()
+        _prepare(sweep, ctx, args)
         signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args))
         with signals.installed(), ProgressView(sweep.store, sweep.budget,
                                                 _plan_line(ctx, args, slots, executor)) as view:
@@ -329,7 +366,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
     workers = args.workers
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
-    sweep.prepare()
+    _prepare(sweep, ctx, args)
     ctx.workdir.mkdir(parents=True, exist_ok=True)
     logs = WorkerLogs(ctx.workdir)
     procs: list[subprocess.Popen[bytes]] = []
@@ -787,7 +824,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     scenario = ctx.scenario
-    _workdir_owner(ctx, "--workdir" if args.workdir else "workdir")
+    _workdir_owner(ctx, _workdir_flag(args))
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
     cluster = scenario.resources.cluster
@@ -795,7 +832,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     preflight(Renderer(scenario), ctx.workdir, points)
     reach(ctx.storage, create=False)
     _quiet_optuna()
-    check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
+    _same_study(ctx, _workdir_flag(args), check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change))
     pruner = describe_pruner(scenario.search)
     print(f"ok: {scenario.name}: {plural(len(scenario.parameters), 'parameter')}, method {scenario.search.method}, "
           f"{pruner + ', ' if pruner else ''}{plural(budget, 'trial')}, {where}")
@@ -825,7 +862,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
               "scenario sets no seed_flag (seed_flag: --seed passes it to a script that takes --seed)", flush=True)
     slots = _plan(ctx, parallel=1)
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
-    sweep.prepare()
+    _prepare(sweep, ctx, args)
     signals = _Signals(lambda signum: sweep.stop(),
                        ended=f"the rerun of trial {args.trial} was recorded INTERRUPTED and queued again; run the "
                              "same command to resume it (or hpo run, which runs it too)")

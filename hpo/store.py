@@ -555,15 +555,17 @@ class StudyStore:
         return trial
 
 
-def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False) -> None:
+def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False) -> str | None:
     """Raise InputError where resuming the scenario's study at ``url`` would be refused
     (objective direction or metric, search space: :meth:`StudyStore.check_space`), reading
-    only; with no study there yet, there is nothing to check."""
+    only; with no study there yet, there is nothing to check. The study's ``created`` id
+    (:data:`STUDY_CREATED`), None where it has none (not made yet)."""
     try:
         store = StudyStore(scenario, url, create=False)
     except NoStudy:
-        return
+        return None
     store.check_space(allow_space_change)
+    return store.user_attrs.get(STUDY_CREATED)
 
 
 def scenario_text(path: Path) -> str:

@@ -64,6 +64,28 @@ def test_two_studies_may_not_share_a_workdir(tmp_path: Path, write_scenario: Wri
     assert run_hpo("run", first, "--workdir", workdir).returncode == 0
 
 
+def test_a_study_of_the_same_name_in_another_store_may_not_take_a_workdir(tmp_path: Path,
+                                                                        write_scenario: WriteScenario) -> None:
+    """The marker named the study alone: a study of the same name in another store (``hpo run
+    --storage``, a worker pointed at the wrong store) wrote its trial folders over the first's,
+    script, params.json and model included, and exited 0."""
+    scenario = write_scenario(tmp_path, search={"trials": 1})
+    assert run_hpo("run", scenario).returncode == 0
+    workdir = tmp_path / "runs" / "demo"
+    params = (workdir / "trial-0000" / "params.json").read_text()
+    for command in (("run",), ("run", "--workers", "2"), ("worker",), ("validate",)):
+        other = f"sqlite:///{tmp_path / (command[0] + str(len(command)))}.db"
+        refused = run_hpo(*command[:1], scenario, *command[1:], "--storage", other)
+        assert refused.returncode == 2, (command, refused.stdout, refused.stderr)
+        assert re.fullmatch(rf"error: workdir: {workdir} holds the trial folders of another study named demo \(created "
+                            rf"\S+ [0-9a-f]{{8}}\), not the one in {re.escape(other)}; give this one a folder of its "
+                            r"own \(--workdir\)\n", refused.stderr), refused.stderr
+    assert (workdir / "trial-0000" / "params.json").read_text() == params
+    assert run_hpo("rerun", scenario, "0").returncode == 0  # the study of the workdir goes on
+    elsewhere = run_hpo("run", scenario, "--storage", f"sqlite:///{tmp_path / 'run1.db'}", "--workdir", tmp_path / "w2")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+
+
 def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenario) -> None:
     failing = write_scenario(tmp_path / "failing", template_text="raise SystemExit(3)\n")
     assert run_hpo("run", failing).returncode == 0
