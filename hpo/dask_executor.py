@@ -737,7 +737,8 @@ class DaskExecutor:
         capacity: trials the cluster runs at once (None: what its workers connected now take).
         say: tells the user what the sweep waits for: trials that no connected worker can run
             (after ``NO_WORKER_S``), a scheduler that does not answer.
-        no_worker_hint: what the user may do when no worker is connected (how to start one).
+        no_worker_hint: what the user may do when no worker is connected (how to start one: the
+            Dask resources a trial asks for are appended as ``--resources``).
         failures: why batch jobs that hpo started could not be submitted, appended as they
             fail: each is said once; once no connected worker can run the trials waiting and no
             job was ever submitted (``any_submitted``), the sweep stops (:class:`ClusterBroken`),
@@ -770,7 +771,7 @@ class DaskExecutor:
         self._say = say
         self._no_worker_hint = no_worker_hint
         self._queued: dict[str, float] = {}
-        self._told_waiting = False
+        self._told_waiting: str | None = None  # which wait was said last
         self._failures = failures
         self._any_submitted = any_submitted
         self._failures_told = 0
@@ -819,26 +820,28 @@ class DaskExecutor:
         restricted = self.options.restricted
         infos = list(workers.values())
         if any(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted) for info in infos):
-            self._told_waiting = False
+            self._told_waiting = None
             return
         now = time.monotonic()
         with self._lock:
             waiting = sum(now - since > NO_WORKER_S for since in self._queued.values())
+        kind = "none connected" if not infos else "none can"  # said again when it changes: a worker came, unfit
         if waiting and failures and not self._any_submitted():
             self.broken = f"resources.cluster: no batch job could be submitted to run the trials ({failures[-1]})"
-        elif waiting and not self._told_waiting:
-            self._told_waiting = True
+        elif waiting and self._told_waiting != kind:
+            self._told_waiting = kind
             self._tell_waiting(waiting, infos)
 
     def _tell_waiting(self, waiting: int, infos: Sequence[Mapping[str, Any]]) -> None:
         """Say that ``waiting`` trials wait in Dask's queue: no worker is connected, or none of
         those connected (``infos``) offers the resources a trial takes."""
         trials = f"{plural(waiting, 'trial')} {'waits' if waiting == 1 else 'wait'}"
+        asks = self.demand.restrictions(self.options.restricted)
         if not infos:
-            hint = f" ({self._no_worker_hint})" if self._no_worker_hint else ""
+            needs = f" --resources {_amounts(asks)}" if asks else ""
+            hint = f" ({self._no_worker_hint}{needs})" if self._no_worker_hint else ""
             self._say(f"hpo: no Dask worker is connected to the scheduler at {self.address}: {trials} for one{hint}")
             return
-        asks = self.demand.restrictions(self.options.restricted)
         most = {name: max(info.get("resources", {}).get(name, 0.0) for info in infos) for name in asks}
         offer = "offers" if len(infos) == 1 else "offer"
         self._say(f"hpo: no Dask worker of the scheduler at {self.address} can run a trial: each takes "

@@ -66,6 +66,31 @@ def test_a_scheduler_without_workers_is_named_and_a_worker_that_joins_runs_the_t
     assert run.error is None and (run.result.outcome, run.result.value) == (Outcome.COMPLETE, 0.5)
 
 
+def test_the_hint_names_the_resources_a_trial_takes_and_an_unfit_worker_that_joins_is_said(tmp_path: Path) -> None:
+    """The workers that offered CPU=2 are gone: the hint said 'dask worker ADDR', and a worker
+    started so (offering no CPU) could never run the trial while the notice still said that no
+    worker was connected."""
+    dask = LocalDask(tmp_path / "dask")
+    said: list[str] = []
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=("CPU",),
+                            scheduler_lost_s=10, say=said.append, no_worker_hint=f"start one: dask worker {dask.address}")
+    try:
+        run = Running(executor, trial_spec(tmp_path, "print('val_error=0.5')\n", "unfit-later"), Control())
+        wait_for(lambda: said, "the sweep waited without a word", 10)
+        dask.worker("plain", 1)
+        wait_for(lambda: len(said) > 1, "the unfit worker was not said", 10)
+        run.control.stopping = True
+        run.thread.join(20)
+    finally:
+        executor.close()
+        dask.close()
+    assert said == [(f"hpo: no Dask worker is connected to the scheduler at {dask.address}: 1 trial waits for one "
+                    f"(start one: dask worker {dask.address} --resources CPU=1)"),
+                    (f"hpo: no Dask worker of the scheduler at {dask.address} can run a trial: each takes CPU=1 of a "
+                    "worker's Dask resources, and the 1 worker connected offers at most CPU=0; 1 trial waits for a "
+                    f"worker that can (dask worker {dask.address} --resources CPU=1 on a machine that has them)")]
+
+
 def test_hpo_run_says_when_no_worker_offers_what_a_trial_takes(tmp_path: Path, write_scenario: WriteScenario) -> None:
     """The user's path: gpus_per_trial 4 on a cluster whose worker offers GPU=2."""
     dask = LocalDask(tmp_path / "dask")
