@@ -1295,7 +1295,12 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
         raise InputError(f"{unreachable}: {exc}") from None
     if not client.scheduler_info()["workers"]:
         say(f"waiting for a Dask worker to join the scheduler at {address}")
-        client.wait_for_workers(1)
+        try:
+            client.wait_for_workers(1)
+        except (OSError, TimeoutError) as exc:
+            client.close()
+            raise ExecutorUnavailable(f"the Dask scheduler at {address} is gone: it went away while the sweep "
+                                      f"waited for its first worker ({exc})") from None
     return DaskExecutor(client, resources, shared=shared, scheduler_lost_s=timeout, say=say,
                         no_worker_hint=f"start one: dask worker {client.scheduler.address}")
 

@@ -173,3 +173,25 @@ def test_a_failed_submission_beside_a_job_still_pending_does_not_stop_the_sweep(
     assert out.count("hpo: a batch job could not be submitted: sbatch: error: Batch job submission failed: "
                      "Socket timed out\n") >= 1, out
     assert "no batch job could be submitted" not in err, err
+
+
+def test_a_scheduler_that_goes_away_while_the_sweep_waits_for_its_first_worker_is_said_in_one_line(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """It ended with 'error: OSError: Timed out trying to connect to tcp://... after 30 s'."""
+    dask = LocalDask(tmp_path / "dask")
+    try:
+        path = write_scenario(tmp_path)
+        env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"}
+        run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", dask.address],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert run.stdout is not None
+        assert "waiting for a Dask worker to join the scheduler at" in run.stdout.readline()
+        dask.client.close()
+        dask.scheduler.kill()
+        out, err = run.communicate(timeout=60)
+    finally:
+        dask.close()
+    assert run.returncode == 1, out + err
+    assert err.startswith(f"error: the Dask scheduler at {dask.address} is gone: it went away while the sweep waited "
+                          "for its first worker ("), err
+    assert err.count("\n") == 1 and "run the same command to resume" in err, err
