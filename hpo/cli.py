@@ -362,7 +362,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     from hpo.launch import die_with_parent
     from hpo.progress import ProgressView, follow_store
     from hpo.storage import redact
-    from hpo.worker_logs import WorkerLogs, relaying
+    from hpo.worker_logs import WorkerLogs, ended, relaying
 
     workers = args.workers
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
@@ -404,9 +404,9 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     code = signals.exit_code()
     if code is not None:
         return code
-    failed = [f"worker-{i} (exit {c})" for i, c in enumerate(codes) if c != 0]
+    failed = [f"worker-{i} {ended(c)}" for i, c in enumerate(codes) if c != 0]
     if failed:
-        print(f"error: {', '.join(failed)} ended with an error: see {ctx.workdir}/worker-*.log", file=sys.stderr)
+        print(f"error: {', '.join(failed)}: see {ctx.workdir}/worker-*.log", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, TextIO
+from typing import TextIO
 
 from hpo.render import full_disk
 from hpo.storage import disk_full
@@ -106,10 +107,28 @@ def notice(index: int, line: str) -> str | None:
     return None
 
 
-def relay(index: int, output: IO[bytes], logs: WorkerLogs, say: Callable[[str], None]) -> threading.Thread:
-    """Start a thread that writes each line of worker ``index``'s ``output`` to its log and
-    says its notices (:func:`notice`) and what the log's disk is like, until the output ends.
-    A log that cannot be written for another reason is said once, and left alone."""
+def ended(code: int) -> str:
+    """How a worker process with exit status ``code`` ended, in words (``was killed by SIGKILL``)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"ended with exit code {code}"
+
+
+STOPPED_CODES = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+"""Exit statuses of a worker that ended as asked (its sweep's end, a Ctrl-C or SIGTERM passed on)."""
+
+
+def relay(index: int, proc: subprocess.Popen[bytes], logs: WorkerLogs, say: Callable[[str], None]) -> threading.Thread:
+    """Start a thread that writes each line of worker ``index``'s output (``proc``'s stdout) to
+    its log and says its notices (:func:`notice`) and what the log's disk is like, until the
+    output ends; then, where the worker ended otherwise than asked (:data:`STOPPED_CODES`: it
+    was killed, or failed), says so at once. A log that cannot be written for another reason is
+    said once, and left alone."""
+    output = proc.stdout
+    assert output is not None
+
     def pump() -> None:
         logged = True
         for raw in iter(output.readline, b""):
@@ -124,6 +143,11 @@ def relay(index: int, output: IO[bytes], logs: WorkerLogs, say: Callable[[str], 
             for line in filter(None, (disk, notice(index, raw.decode(errors="replace")))):
                 with contextlib.suppress(OSError, SystemExit):  # the screen is gone (rich exits on a closed pipe)
                     say(line)
+        code = proc.wait()
+        if code not in STOPPED_CODES:
+            with contextlib.suppress(OSError, SystemExit):
+                say(f"hpo: worker-{index} {ended(code)} (its log: {logs.path(index)}); the other workers run on, and "
+                    "a trial it was running is judged lost once its heartbeat stops, and runs again")
 
     thread = threading.Thread(target=pump, name=f"hpo-worker-{index}-output", daemon=True)
     thread.start()
@@ -146,7 +170,7 @@ class Relays:
         """Relay ``proc``, the next worker (:func:`relay`), from now on."""
         self.procs.append(proc)
         if proc.stdout:
-            self.threads.append(relay(len(self.procs) - 1, proc.stdout, self._logs, lambda line: self.say(line)))
+            self.threads.append(relay(len(self.procs) - 1, proc, self._logs, lambda line: self.say(line)))
 
 
 @contextlib.contextmanager

@@ -146,3 +146,24 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
     started_at = started_epoch(path, number)  # the run time known ends where the worker was frozen, however loaded
     assert record["outcome"] == "COMPLETE" and record["duration_s"] < frozen_at - started_at + 0.5 \
         and record["paused_s"] > 1.0, (record, frozen_at - started_at)
+
+
+def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_path: Path) -> None:
+    """kill -9 of one of hpo run's workers: nothing was said until the end, which said only
+    'worker-0 (exit -9) ended with an error'."""
+    path = write(tmp_path, 2, pause=1.0)
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2"], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while (found := started_trial(path)) is None:
+        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+        time.sleep(0.05)
+    number, pid = found
+    os.kill(pid, signal.SIGKILL)
+    out, err = run.communicate(timeout=120)
+    logs = sorted((tmp_path / "runs" / "sweep").glob("worker-*.log"))
+    [killed] = [log for log in logs if re.search(rf"^trial {number} started", log.read_text(), re.MULTILINE)]
+    index = killed.stem.rpartition("-")[2]
+    assert f"hpo: worker-{index} was killed by SIGKILL (its log: {killed}); the other workers run on" in out, out
+    assert (run.returncode, err) == (1, f"error: worker-{index} was killed by SIGKILL: see {killed.parent}/worker-*.log\n")
+    assert_every_point_once(path)
