@@ -8,7 +8,9 @@ rerun``). Re-runs are queued as WAITING trials with the same parameters and are 
 before anything new while the budget has room; once it is spent (``search.trials`` lowered
 below what ran and was queued), they stay WAITING, unrun, until it is raised. A queued copy
 of a rerun uses no budget: the next ``hpo run`` or ``hpo rerun`` of the same trial claims
-it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A rerun that
+it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A configuration
+queued again because it was LOST or INTERRUPTED runs with the ``trial_seed`` it had, so that a
+sweep that had crashes repeats one that had none; a retry of a failure gets its own. A rerun that
 fails is a finding, not retried (``search.retry_failed`` is for the sweep's trials). A design's next
 point is its first point that no trial covers yet, so every point runs exactly once
 whatever crashed in between.
@@ -187,11 +189,16 @@ class Scheduler:
                 trial_folder(self._workdir, trial.number))
             return self.claim(mine)
         row = by_number.get(trial.number)
-        if row is None or row.rerun_of is None:
-            return self._claimed(trial, None, repeats=None if row is None else repeat_of(row))
-        source = row.number if row.requeue_of is None else row.requeue_of
-        return self._claimed(trial, self._rerun_seed(trials, source, row.rerun_of), prunable=False,
-                             repeats=repeat_of(row))
+        if row is None:
+            return self._claimed(trial, None)
+        if row.rerun_of is not None:
+            source = row.number if row.requeue_of is None else row.requeue_of
+            return self._claimed(trial, self._recorded_seed(trials, source, row.rerun_of), prunable=False,
+                                 repeats=repeat_of(row))
+        again = row.requeue_of is not None and row.retry_of is None  # no fault of its own: run as it would have
+        seed = self._recorded_seed(trials, row.requeue_of, row.requeue_of) if again and row.requeue_of is not None \
+            else None
+        return self._claimed(trial, seed, repeats=repeat_of(row))
 
     def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True,
                  repeats: int | None = None) -> Claim:
@@ -206,9 +213,10 @@ class Scheduler:
         return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable,
                      repeats)
 
-    def _rerun_seed(self, trials: list[FrozenTrial], source: int, original: int) -> int:
-        """The ``trial_seed`` that the rerun ``source`` of trial ``original`` was claimed
-        with; ``original``'s default in studies that did not record it."""
+    def _recorded_seed(self, trials: list[FrozenTrial], source: int, original: int) -> int:
+        """The ``trial_seed`` that trial ``source`` (a rerun of, or a configuration queued
+        again from, trial ``original``) was claimed with; ``original``'s default in studies
+        that did not record it."""
         run = next((t.system_attrs.get(SYS_RUN) for t in trials if t.number == source), None) or {}
         seed = run.get("trial_seed")
         return trial_seed(self.store.scenario.search.seed, original) if seed is None else int(seed)

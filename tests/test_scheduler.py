@@ -186,6 +186,23 @@ def test_a_rerun_uses_no_budget_and_keeps_the_configuration(tmp_path: Path, writ
     assert rows[1].outcome is Outcome.WAITING
 
 
+def test_a_configuration_run_again_for_no_fault_of_its_own_keeps_its_trial_seed(tmp_path: Path,
+                                                                                 write_scenario: WriteScenario) -> None:
+    """Queued again, a configuration ran with its new trial number's seed: a sweep that had a
+    crash did not repeat one that had none. Lost or interrupted, and lost again, it keeps the
+    seed it first had; a retry of a failure gets its own."""
+    scheduler = make(tmp_path, write_scenario, trials=2, retry_failed=1)
+    first = claim(scheduler)
+    scheduler.settle(first, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    again = claim(scheduler)
+    scheduler.settle(again, TrialResult(Outcome.LOST, reason="lost"))
+    third = claim(scheduler)
+    assert (first.seed, again.seed, third.seed) == (3, 3, 3) and third.params == first.params
+    scheduler.settle(third, TrialResult(Outcome.FAIL, reason="exit code 1"))
+    retry = claim(scheduler)
+    assert retry.params == first.params and retry.seed == 3 + retry.number
+
+
 @pytest.mark.parametrize("retry_failed", [0, 2])
 def test_interrupted_and_lost_do_not_use_retries(tmp_path: Path, write_scenario: WriteScenario,
                                                  retry_failed: int) -> None:
