@@ -269,18 +269,8 @@ def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argpars
 
 def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
-    from hpo.scenario import Cluster
-
-    given = getattr(args, "cluster", None) is not None  # --cluster "" is refused, not taken for no flag
-    if given:
-        from pydantic import ValidationError
-
-        try:
-            cluster = Cluster(address=args.cluster)
-        except ValidationError as exc:
-            raise InputError(f"--cluster: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
-    else:
-        cluster = ctx.scenario.resources.cluster
+    given = _given_cluster(args)
+    cluster = given or ctx.scenario.resources.cluster
     if cluster is None:
         return None
     import logging
@@ -291,6 +281,21 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     return open_cluster(cluster, ctx.scenario.resources, say=_say_notice,
                         job_logs=ctx.workdir / "jobs",
                         field="--cluster" if given else "resources.cluster")
+
+
+def _given_cluster(args: argparse.Namespace) -> Any:
+    """The cluster ``--cluster ADDRESS`` names, or None without the flag (``--cluster ""`` is
+    refused, not taken for no flag)."""
+    if getattr(args, "cluster", None) is None:
+        return None
+    from pydantic import ValidationError
+
+    from hpo.scenario import Cluster
+
+    try:
+        return Cluster(address=args.cluster)
+    except ValidationError as exc:
+        raise InputError(f"--cluster: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
 def _say_notice(line: str) -> None:
@@ -827,7 +832,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _workdir_owner(ctx, _workdir_flag(args))
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
-    cluster = scenario.resources.cluster
+    cluster = _given_cluster(args) or scenario.resources.cluster
     where = describe_plan(_plan(ctx), parallel=_asked(ctx, args)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
     reach(ctx.storage, create=False)
@@ -965,6 +970,11 @@ def _cluster_arg(parser: argparse.ArgumentParser) -> None:
                              "tcp://10.0.0.5:8786 (default: resources.cluster, else this machine)")
 
 
+def _validate_args(parser: argparse.ArgumentParser) -> None:
+    _cluster_arg(parser)
+    _space_arg(parser)
+
+
 def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_positive, default=1,
                         help="optimizer worker processes on this machine; they share its slots (parallel)")
@@ -1064,7 +1074,7 @@ COMMANDS = (
             "Draw the study's charts as PNG files into -o DIR (default: <workdir>/plots)."),
     Command("best", cmd_best, _best_args,
             "Print the best trial, its held-out metrics and its folder; --copy-to DIR copies the folder there."),
-    Command("validate", cmd_validate, _space_arg,
+    Command("validate", cmd_validate, _validate_args,
             "Check the scenario, its design, templates and command, and the store (contacted, nothing written), "
             "and that hpo run would resume its study and accept its workdir; print the slots and the store. "
             "Runs nothing."),

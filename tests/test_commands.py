@@ -340,3 +340,15 @@ def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> 
         assert not re.search(r":(func|mod|class|data|meth):|``|InputError|_worker_gone", helped.stdout), helped.stdout
     listed = " ".join(run_hpo("--help").stdout.split())
     assert all(" ".join(command.summary.split()) in listed for command in COMMANDS), listed
+
+
+def test_validate_checks_the_cluster_hpo_run_would_be_given(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """hpo validate refused --cluster, so an address meant for hpo run could not be checked."""
+    scenario = write_scenario(tmp_path)
+    done = run_hpo("validate", scenario, "--cluster", "tcp://10.0.0.5:8786")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].endswith("trials on a Dask cluster")
+    assert done.stdout.splitlines()[-1] == "cluster: the Dask scheduler at tcp://10.0.0.5:8786 (not contacted)"
+    bad = run_hpo("validate", scenario, "--cluster", "nonsense")
+    assert (bad.returncode, bad.stderr) == (2, ("error: --cluster: expected a Dask scheduler address such as "
+                                               "tcp://10.0.0.5:8786 ([tcp|tls|ucx|ws|wss://]HOST:PORT), got 'nonsense'\n"))
