@@ -55,6 +55,9 @@ def _context(args: argparse.Namespace) -> Context:
     from hpo.storage import check_url, storage_url
 
     scenario = load_scenario(args.scenario)
+    given = _given_cluster(args)
+    if given is not None:  # --cluster stands for resources.cluster (a data_dir is then on the cluster's machines)
+        scenario = scenario.model_copy(update={"resources": scenario.resources.model_copy(update={"cluster": given})})
     workdir = _new_folder(Path(args.workdir).resolve(), "--workdir") if args.workdir else scenario.default_workdir()
     storage = storage_url(scenario, args.storage, workdir)
     check_url(storage)
@@ -70,6 +73,7 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
         _store(ctx)
     _made_folder(ctx.workdir, _workdir_flag(args))
     _claim_workdir(ctx, _workdir_flag(args))
+    _same_study(ctx, _workdir_flag(args), lambda: _study_created(ctx))
     return ctx
 
 
@@ -103,17 +107,31 @@ def _workdir_owner(ctx: Context, flag: str) -> str | None:
     return mark[0]
 
 
-def _same_study(ctx: Context, flag: str, created: str | None) -> None:
+def _same_study(ctx: Context, flag: str, created: Callable[[], str | None]) -> None:
     """InputError naming ``flag`` where the workdir holds the trial folders of another study of
     the same name (one in another store, or removed and made anew): the marker's ``created``
-    id is not ``created``, the id of the study at the context's storage (None: not made yet)."""
+    id is not ``created()``, the id of the study at the context's storage (None: not made yet),
+    asked only where the marker has one."""
     mark = _workdir_mark(ctx)
-    if mark is None or not mark[1] or mark[1] == created:
+    if mark is None or not mark[1] or mark[1] == created():
         return
     from hpo.storage import redact
 
     raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of another study named {mark[0]} (created "
-                     f"{mark[1]}), not the one in {redact(ctx.storage)}; give this one a folder of its own (--workdir)")
+                     f"{mark[1]}), not the one in {redact(ctx.storage)}; give this one a folder of its own "
+                     f"(--workdir), or remove {ctx.workdir} if those trials are not wanted")
+
+
+def _study_created(ctx: Context) -> str | None:
+    """The ``created`` id of the context's study, None where it has none or is not made yet;
+    nothing is written."""
+    from hpo.storage import NoStudy
+    from hpo.store import STUDY_CREATED
+
+    try:
+        return _store(ctx).user_attrs.get(STUDY_CREATED)
+    except NoStudy:
+        return None
 
 
 def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:
@@ -270,7 +288,7 @@ def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argpars
 def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
     given = _given_cluster(args)
-    cluster = given or ctx.scenario.resources.cluster
+    cluster = ctx.scenario.resources.cluster
     if cluster is None:
         return None
     import logging
@@ -305,11 +323,10 @@ def _say_notice(line: str) -> None:
 
 
 def _prepare(sweep: Any, ctx: Context, args: argparse.Namespace) -> None:
-    """Prepare ``sweep`` (:meth:`hpo.engine.Sweep.prepare`) once the workdir is known to hold
-    no other study's trials (:func:`_same_study`); then mark it with the study's id."""
+    """Prepare ``sweep`` (:meth:`hpo.engine.Sweep.prepare`), whose workdir holds no other
+    study's trials (:func:`_writing_context` checked); then mark it with the study's id."""
     from hpo.store import STUDY_CREATED
 
-    _same_study(ctx, _workdir_flag(args), sweep.store.user_attrs.get(STUDY_CREATED))
     sweep.prepare()
     _claim_workdir(ctx, _workdir_flag(args), sweep.store.user_attrs.get(STUDY_CREATED))
 
@@ -339,7 +356,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the sweep to the end (resumable); --workers K runs K optimizer processes. Output
     that a full disk or a closed pipe refuses is dropped, not fatal (:mod:`hpo.worker_logs`)."""
-    from hpo.worker_logs import output_dropped_when_refused
+    from hpo.output import output_dropped_when_refused
 
     with output_dropped_when_refused():
         return _run(args)
@@ -418,7 +435,8 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Join the scenario's study as one more optimizer worker (e.g. from another machine)."""
-    from hpo.worker_logs import PipeToRun, output_dropped_when_refused
+    from hpo.output import output_dropped_when_refused
+    from hpo.worker_logs import PipeToRun
 
     if not _started_by_run(args):
         with output_dropped_when_refused():
@@ -578,14 +596,14 @@ def export_rows(ctx: Context, out: Any, rows: Sequence[Any] | None = None) -> in
     """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
     configuration a row runs again) from ``rows`` (default: the study's); return the number of rows."""
     from hpo.rows import repeat_of
-    from hpo.scenario import RESULTS_COLUMNS
+    from hpo.scenario import RESULTS_LEADING, RESULTS_TRAILING
 
     scenario = ctx.scenario
     rows = _snapshot(ctx) if rows is None else rows
     metric, held_out = scenario.objective.metric, list(scenario.objective.held_out)
     params = _param_columns(scenario, rows)
     writer = csv.writer(out)
-    writer.writerow([*RESULTS_COLUMNS[:2], *params, metric, *held_out, *RESULTS_COLUMNS[2:]])
+    writer.writerow([*RESULTS_LEADING, *params, metric, *held_out, *RESULTS_TRAILING])
     for row in rows:
         repeat = repeat_of(row)
         writer.writerow([row.number, row.state, *(row.params.get(p, "") for p in params),
@@ -832,12 +850,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _workdir_owner(ctx, _workdir_flag(args))
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
-    cluster = _given_cluster(args) or scenario.resources.cluster
+    cluster = scenario.resources.cluster
     where = describe_plan(_plan(ctx), parallel=_asked(ctx, args)) if cluster is None else "trials on a Dask cluster"
     preflight(Renderer(scenario), ctx.workdir, points)
     reach(ctx.storage, create=False)
     _quiet_optuna()
-    _same_study(ctx, _workdir_flag(args), check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change))
+    created = check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
+    _same_study(ctx, _workdir_flag(args), lambda: created)
     pruner = describe_pruner(scenario.search)
     print(f"ok: {scenario.name}: {plural(len(scenario.parameters), 'parameter')}, method {scenario.search.method}, "
           f"{pruner + ', ' if pruner else ''}{plural(budget, 'trial')}, {where}")
@@ -1079,8 +1098,8 @@ COMMANDS = (
             "and that hpo run would resume its study and accept its workdir; print the slots and the store. "
             "Runs nothing."),
     Command("rerun", cmd_rerun, _rerun_args,
-            "Run trial N's configuration again as a new trial, to check that it reproduces; it does not count "
-            "toward search.trials."),
+            "Run trial N's configuration again as a new trial, to check that it reproduces (--seed S gives it "
+            "another trial_seed); it does not count toward search.trials, and a failure is not retried."),
     Command("dashboard", cmd_dashboard, _dashboard_args,
             "Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it."),
 )
@@ -1147,7 +1166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _start_forest_helper(args.scenario)
         if args.handler not in (cmd_status, cmd_export, cmd_best):  # these may answer from the row cache
             _quiet_optuna()
-        return int(args.handler(args))
+        if args.handler in (cmd_run, cmd_worker):  # a sweep runs on where its output is refused
+            return int(args.handler(args))
+        from hpo.output import refusals_raised
+
+        with refusals_raised():
+            return int(args.handler(args))
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
@@ -1160,14 +1184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               "INTERRUPTED and run again)", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _stdout_gone()
         return EXIT_OK
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception as exc:
-        if isinstance(exc, OSError) and _stdout_refused(exc):
-            print(f"error: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+        from hpo.output import StdoutRefused
+
+        if isinstance(exc, StdoutRefused):
+            _stdout_gone()
+            print(f"error: cannot write to stdout: {exc.strerror}", file=sys.stderr)
             return EXIT_ERROR
         if os.environ.get("HPO_DEBUG"):
             raise
@@ -1175,22 +1201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
-def _stdout_refused(exc: OSError) -> bool:
-    """Whether ``exc`` is stdout's disk refusing what was printed (``> out.txt`` on a full
-    disk, ``> /dev/full``). If so, stdout is pointed at /dev/null, so that Python's own flush
-    at exit says nothing more."""
-    from hpo.storage import disk_full
-    from hpo.worker_logs import full_where_written
-
-    try:
-        fd = sys.stdout.fileno()
-    except (OSError, ValueError):
-        return False
-    refused = disk_full(exc) and full_where_written(fd)
-    if refused:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-    return refused
-
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit says nothing more."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The output of the optimizer workers that ``hpo run --workers K`` starts, and of a sweep.
+"""The output of the optimizer workers that ``hpo run --workers K`` starts.
 
 Each worker writes to a pipe that hpo run reads (:func:`relay`): every line goes to the
 worker's log, ``<workdir>/worker-N.log`` (:class:`WorkerLogs`), and its notices, the lines
@@ -12,20 +12,13 @@ line. hpo run reads its workers' output until they end (:func:`relaying`), so th
 lines are kept even where it stops for an error of its own; a worker whose hpo run is gone
 (killed) goes on stopping as the signal it gets then asks, appending its last lines to its log
 itself (:class:`PipeToRun`).
-
-The sweep's own output, redirected to a file or a pipe, is no more fatal on a full disk or when
-the pipe's reader has gone: what is refused is dropped (and counted, in a file), the sweep runs on
-(:class:`DroppedWhenRefused`).
 """
 from __future__ import annotations
 
 import contextlib
 import io
-import os
 import signal
-import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +26,6 @@ from pathlib import Path
 from typing import TextIO
 
 from hpo.render import full_disk
-from hpo.storage import disk_full
 
 NOTICE_PREFIXES = ("hpo: ", "error: ")
 WORKERS_STOP_S = 60.0  # how long hpo run, stopping for an error of its own, waits for its workers to stop
@@ -145,9 +137,9 @@ def relay(index: int, proc: subprocess.Popen[bytes], logs: WorkerLogs, say: Call
                     say(line)
         code = proc.wait()
         if code not in STOPPED_CODES:
+            lost = "; a trial it was running is judged lost once its heartbeat stops, and runs again" if code < 0 else ""
             with contextlib.suppress(OSError, SystemExit):
-                say(f"hpo: worker-{index} {ended(code)} (its log: {logs.path(index)}); the other workers run on, and "
-                    "a trial it was running is judged lost once its heartbeat stops, and runs again")
+                say(f"hpo: worker-{index} {ended(code)} (its log: {logs.path(index)}){lost}")
 
     thread = threading.Thread(target=pump, name=f"hpo-worker-{index}-output", daemon=True)
     thread.start()
@@ -232,119 +224,3 @@ class PipeToRun(io.TextIOBase):
 
     def fileno(self) -> int:
         return self._fileno
-
-
-class DroppedWhenRefused(io.TextIOBase):
-    """``sys.stdout`` or ``sys.stderr`` of a sweep whose output goes to a file or a pipe
-    (``hpo run ... > run.log``, ``hpo run ... | head``): what the file's disk refuses (full, a
-    quota) is dropped, and so is everything once the pipe's reader has gone, so that the sweep
-    runs on, and records every trial, without the lines it would have shown. The first refusal
-    is said on ``other``, the sweep's other stream; once a file takes lines again, it is told
-    how many were dropped there. Each write goes out at once, unbuffered, so that nothing
-    refused waits in a buffer to be written out of turn later."""
-
-    def __init__(self, stream: TextIO, name: str, other: TextIO) -> None:
-        with contextlib.suppress(OSError):
-            stream.flush()
-        self._fd = stream.fileno()
-        self._tty = stream.isatty()
-        self._encoding = stream.encoding
-        self._name = name
-        self._other = other
-        self._dropped = 0
-        self._line_begun = False  # a refused write left part of a line in the file
-        self._closed = False  # the pipe's reader is gone: nothing more is written
-
-    def writable(self) -> bool:
-        return True
-
-    def isatty(self) -> bool:
-        return self._tty
-
-    def fileno(self) -> int:
-        return self._fd
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self._encoding
-
-    def write(self, text: str) -> int:
-        if self._closed:
-            return len(text)
-        own = text.encode(self._encoding, "replace")
-        note = b""
-        if self._dropped:
-            note = (b"\n" if self._line_begun else b"") + \
-                f"hpo: {self._dropped} lines were dropped here while the disk was full\n".encode()
-        data, written = note + own, 0
-        try:
-            while written < len(data):
-                written += os.write(self._fd, data[written:])
-        except BrokenPipeError:
-            self._closed = True
-            self._say(f"hpo: the reader of {self._name} has gone: what this sweep prints is dropped from now on; "
-                      "it runs on and records every trial (hpo status shows them)")
-            return len(text)
-        except OSError as exc:
-            if not disk_full(exc):
-                raise
-            if not self._dropped:
-                self._say(f"hpo: {self._name} refuses what this sweep prints ({exc.strerror or exc}): its lines are "
-                          "dropped meanwhile; the sweep runs on and records every trial")
-            self._line_begun = not data[:written].endswith(b"\n") if written else self._line_begun
-            unwritten = own[max(0, written - len(note)):]
-            self._dropped += max(int(bool(unwritten)), unwritten.count(b"\n"))  # a line cut short counts
-            return len(text)
-        self._dropped, self._line_begun = 0, False
-        return len(text)
-
-    def _say(self, line: str) -> None:
-        with contextlib.suppress(OSError):
-            self._other.write(line + "\n")
-            self._other.flush()
-
-
-@contextlib.contextmanager
-def output_dropped_when_refused() -> Iterator[None]:
-    """Within, stdout and stderr, where they go to a file or a pipe (not a terminal), are
-    :class:`DroppedWhenRefused`."""
-    out, err = sys.stdout, sys.stderr
-    if _file_or_pipe(out):
-        sys.stdout = DroppedWhenRefused(out, "stdout", err)
-    if _file_or_pipe(err):
-        sys.stderr = DroppedWhenRefused(err, "stderr", out)
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = out, err
-
-
-def _file_or_pipe(stream: TextIO) -> bool:
-    try:
-        fd = stream.fileno()
-        return written_to_disk(fd) or stat.S_ISFIFO(os.fstat(fd).st_mode)
-    except (OSError, ValueError, io.UnsupportedOperation):
-        return False
-
-
-def written_to_disk(fd: int) -> bool:
-    """Whether what is written to ``fd`` goes to a disk that may fill: a file, or /dev/full
-    (which stands for one)."""
-    try:
-        mode = os.fstat(fd)
-    except OSError:
-        return False
-    return stat.S_ISREG(mode.st_mode) or _dev_full(mode)
-
-
-def full_where_written(fd: int) -> bool:
-    """Whether ``fd`` is a file on a disk with no room left, or /dev/full."""
-    try:
-        mode = os.fstat(fd)
-        return _dev_full(mode) or (stat.S_ISREG(mode.st_mode) and os.fstatvfs(fd).f_bavail == 0)
-    except OSError:
-        return False
-
-
-def _dev_full(mode: os.stat_result) -> bool:
-    return stat.S_ISCHR(mode.st_mode) and mode.st_rdev == os.makedev(1, 7)

@@ -317,7 +317,7 @@ def test_a_sweep_whose_output_file_fills_runs_on_and_status_to_it_says_so_in_one
 def test_output_dropped_for_a_full_disk_is_told_where_it_is_written_again(disk: Disk) -> None:
     """Once the file takes lines again, it says how many were dropped there (the disk's last
     page takes part of the first refused write)."""
-    from hpo.worker_logs import DroppedWhenRefused
+    from hpo.output import DroppedWhenRefused
 
     told = io.StringIO()
     with (disk.mount / "run.log").open("w") as file:
