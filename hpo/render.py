@@ -194,7 +194,8 @@ _CHECKED_BYTES = 1 << 20  # a copied file larger than this is data, not a script
 def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> None:
     """InputError where a template file written in the scenario holds a parameter's
     placeholder that will never be replaced: the file is copied as it is (its name lacks a
-    rendering suffix), or it is rendered in the other syntax and uses none of its own."""
+    rendering suffix) and holds one in the scenario's syntax, or it is rendered and holds one
+    in the other syntax and none of its own."""
     try:
         if template.stat().st_size > _CHECKED_BYTES:
             return
@@ -203,20 +204,18 @@ def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> N
         return
     params, syntax = set(scenario.parameters), scenario.syntax
     other = "dollar" if syntax == "jinja" else "jinja"
-    if rendered and _variables(text, syntax):  # it uses its syntax
+    if not rendered:  # only the scenario's own syntax: a copied shell script's ${lr} is the shell's
+        found = sorted(_variables(text, syntax) & params)
+        if found:
+            raise InputError(f"template {template.name}: holds {_PLACEHOLDER[syntax].format(found[0])} but is copied "
+                             f"as it is (only files named *{', *'.join(RENDERED_SUFFIXES)} are rendered): name it "
+                             f"{template.name}{_SUFFIX[syntax]}")
         return
-    for placeholder_syntax in (syntax, other) if not rendered else (other,):
-        found = sorted(_variables(text, placeholder_syntax) & params)
-        if not found:
-            continue
-        written, own = (_PLACEHOLDER[each].format(found[0]) for each in (placeholder_syntax, syntax))
-        rewrite = "" if placeholder_syntax == syntax else f" and write {own}, or set syntax: {placeholder_syntax}"
-        if not rendered:
-            raise InputError(f"template {template.name}: holds {written} but is copied as it is (only files named "
-                             f"*{', *'.join(RENDERED_SUFFIXES)} are rendered): name it "
-                             f"{template.name}{_SUFFIX[syntax]}{rewrite}")
-        raise InputError(f"template {template.name}: holds {written}, which syntax: {syntax} leaves as it is: "
-                         f"write {own}, or set syntax: {placeholder_syntax}")
+    found = [] if _variables(text, syntax) else sorted(_variables(text, other) & params)  # it uses no syntax of its own
+    if found:
+        raise InputError(f"template {template.name}: holds {_PLACEHOLDER[other].format(found[0])}, which syntax: "
+                         f"{syntax} leaves as it is: write {_PLACEHOLDER[syntax].format(found[0])}, or set syntax: "
+                         f"{other}")
 
 
 def _check_data_dir(scenario: Scenario) -> None:

@@ -284,8 +284,6 @@ COPIED = "but is copied as it is (only files named *.j2, *.jinja, *.jinja2, *.tm
 @pytest.mark.parametrize(("syntax", "name", "text", "said"), [
     ("jinja", "train.py", "x = {{ x }}\n", f"template train.py: holds {{{{ x }}}} {COPIED} train.py.j2"),
     ("dollar", "train.py", "x = ${x}\n", f"template train.py: holds ${{x}} {COPIED} train.py.tmpl"),
-    ("jinja", "run.sh", "python train.py --lr ${x}\n",
-     f"template run.sh: holds ${{x}} {COPIED} run.sh.j2 and write {{{{ x }}}}, or set syntax: dollar"),
     ("jinja", "train.py.j2", "x = ${x}\n",
      "template train.py.j2: holds ${x}, which syntax: jinja leaves as it is: write {{ x }}, or set syntax: dollar"),
     ("dollar", "train.py.tmpl", "x = {{ x }}\n",
@@ -303,6 +301,7 @@ def test_a_placeholder_that_is_never_replaced_is_an_input_error(tmp_path: Path, 
 @pytest.mark.parametrize(("syntax", "templates"), [
     ("jinja", {"train.py.j2": "X={{ x }}\npython t.py --x ${X} --home ${HOME}\n"}),  # a shell variable beside its own
     ("jinja", {"train.py": "HOME = '${HOME}'\nsize = {'w': 2}\n"}),  # no parameter's placeholder
+    ("jinja", {"run.sh": "x=$1\npython train.py --x ${x}\n"}),  # copied: the shell's own ${x}
     ("jinja", {"models/net.py": "x = {{ x }}\n"}),  # a folder brings a project's files as they are
 ])
 def test_placeholders_of_no_parameter_or_beside_the_files_own_are_left_alone(
