@@ -596,8 +596,9 @@ class ClusterBroken(ExecutorUnavailable):
 
 
 def _amounts(resources: Mapping[str, float]) -> str:
-    """``GPU=4, CPU=2``: Dask resource amounts as ``dask worker --resources`` takes them."""
-    return ", ".join(f"{name}={amount:.3g}" for name, amount in resources.items())
+    """``GPU=4,CPU=2``: Dask resource amounts as ``dask worker --resources`` takes them (one
+    shell word)."""
+    return ",".join(f"{name}={amount:.3g}" for name, amount in resources.items())
 
 
 def _gone_before_start(message: str) -> TrialResult:

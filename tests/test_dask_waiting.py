@@ -195,3 +195,8 @@ def test_a_scheduler_that_goes_away_while_the_sweep_waits_for_its_first_worker_i
     assert err.startswith(f"error: the Dask scheduler at {dask.address} is gone: it went away while the sweep waited "
                           "for its first worker ("), err
     assert err.count("\n") == 1 and "run the same command to resume" in err, err
+
+
+def test_the_resources_a_hint_names_are_one_shell_word() -> None:
+    """'--resources GPU=1, CPU=2' pasted into a shell gave dask worker a stray argument."""
+    assert dask_executor._amounts({"GPU": 1, "CPU": 2.0}) == "GPU=1,CPU=2"
