@@ -196,9 +196,8 @@ class Scheduler:
             return self._claimed(trial, self._recorded_seed(trials, source, row.rerun_of), prunable=False,
                                  repeats=repeat_of(row))
         again = row.requeue_of is not None and row.retry_of is None  # no fault of its own: run as it would have
-        seed = self._recorded_seed(trials, row.requeue_of, row.requeue_of) if again and row.requeue_of is not None \
-            else None
-        return self._claimed(trial, seed, repeats=repeat_of(row))
+        return self._claimed(trial, self._recorded_seed(trials, row.requeue_of, None) if again else None,
+                             repeats=repeat_of(row))
 
     def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True,
                  repeats: int | None = None) -> Claim:
@@ -213,13 +212,25 @@ class Scheduler:
         return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable,
                      repeats)
 
-    def _recorded_seed(self, trials: list[FrozenTrial], source: int, original: int) -> int:
-        """The ``trial_seed`` that trial ``source`` (a rerun of, or a configuration queued
-        again from, trial ``original``) was claimed with; ``original``'s default in studies
-        that did not record it."""
-        run = next((t.system_attrs.get(SYS_RUN) for t in trials if t.number == source), None) or {}
-        seed = run.get("trial_seed")
-        return trial_seed(self.store.scenario.search.seed, original) if seed is None else int(seed)
+    def _recorded_seed(self, trials: list[FrozenTrial], source: int, original: int | None) -> int:
+        """The ``trial_seed`` recorded on trial ``source`` or, where it has none (never claimed,
+        or a study that did not record it), on the trials it was queued again from
+        (``requeue_of``, back to the first that recorded one); where none did, the default of
+        ``original`` (the trial a rerun reruns), else of the first trial of that line."""
+        by_number = {t.number: t for t in trials}
+        number, seed = source, None
+        while True:
+            trial = by_number.get(number)
+            if trial is None:
+                break
+            seed = (trial.system_attrs.get(SYS_RUN) or {}).get("trial_seed")
+            back = trial.user_attrs.get(ATTR_REQUEUE_OF)
+            if seed is not None or back is None:
+                break
+            number = int(back)
+        if seed is not None:
+            return int(seed)
+        return trial_seed(self.store.scenario.search.seed, number if original is None else original)
 
     def claim_rerun(self, original: TrialRow, seed: int) -> Claim:
         """A trial that runs ``original``'s configuration again with ``trial_seed`` ``seed``,
