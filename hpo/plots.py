@@ -330,8 +330,8 @@ def _left_out(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[
     for conditional in (True, False):
         names = [n for n in partial_params(rows, parameters) if (parameters[n].condition is not None) == conditional]
         if names:
-            them, were = ("it", "was") if len(names) == 1 else ("them", "were")
-            why = "a condition" if conditional else f"{them.replace('them', 'they')} {were} added to the study later"
+            them, they = ("it", "it was") if len(names) == 1 else ("them", "they were")
+            why = "a condition" if conditional else f"{they} added to the study later"
             lines.append(f"{charts} leave out {', '.join(names)}: only some completed trials have {them} ({why})")
     fixed = fixed_params(rows, parameters)
     if fixed:

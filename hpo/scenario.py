@@ -260,9 +260,11 @@ class Objective(_Frozen):
         return self
 
 
-RESULTS_COLUMNS = ("number", "state", "duration_s", "folder", "reason", "repeat_of")
-"""The fixed columns of the results CSV (``hpo export``); the parameters and the metrics have a
-column each under their own names, so none may take one of these."""
+RESULTS_LEADING, RESULTS_TRAILING = ("number", "state"), ("duration_s", "folder", "reason", "repeat_of")
+"""The fixed columns of the results CSV (``hpo export``), before and after the parameters' and
+the metrics' own, which have a column each under their own names."""
+RESULTS_COLUMNS = RESULTS_LEADING + RESULTS_TRAILING
+"""Every fixed column: no parameter or metric may take one of these names."""
 
 
 def _column_problem(name: str, what: str) -> str | None:
@@ -641,7 +643,7 @@ def _bool_hint(value: Any, choices: tuple[Any, ...]) -> str:
     return ""
 
 
-_PATH_KEYS = {"template", "data_dir", "workdir"}
+_PATH_KEYS = ("template", "data_dir", "workdir")
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -655,7 +657,7 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
         return str((folder / Path(value).expanduser()).resolve())
 
     out = dict(raw)
-    for key in _PATH_KEYS & out.keys():
+    for key in (key for key in _PATH_KEYS if key in out):
         value = out[key]
         out[key] = [resolved(key, v) for v in value] if isinstance(value, list) else resolved(key, value)
     search = out.get("search")
@@ -747,7 +749,7 @@ def _format_error(error: dict[str, Any]) -> str:
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
     """A mapping key given twice; ``problem`` is ``<dotted path>: defined twice (lines A and B)``
-(``(line A)`` for two on one line)."""
+    (``(line A)`` for two on one line)."""
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

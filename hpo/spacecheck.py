@@ -143,7 +143,6 @@ def design_change(scenario: Scenario, rows: Iterable[TrialRow]) -> str | None:
     return None
 
 
-
 def _show(point: Mapping[str, Any], names: list[str]) -> str:
     """``x=0.1 y=1 opt=sgd``: the point's values of ``names``, in that order, in full."""
     return " ".join(f"{name}={point[name]}" for name in names if name in point)

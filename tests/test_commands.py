@@ -79,7 +79,9 @@ def test_a_study_of_the_same_name_in_another_store_may_not_take_a_workdir(tmp_pa
         assert refused.returncode == 2, (command, refused.stdout, refused.stderr)
         assert re.fullmatch(rf"error: workdir: {workdir} holds the trial folders of another study named demo \(created "
                             rf"\S+ [0-9a-f]{{8}}\), not the one in {re.escape(other)}; give this one a folder of its "
-                            r"own \(--workdir\)\n", refused.stderr), refused.stderr
+                            rf"own \(--workdir\), or remove {workdir} if those trials are not wanted\n", refused.stderr), \
+            refused.stderr
+        assert not Path(other.removeprefix("sqlite:///")).exists() or command[0] == "validate"  # no study made there
     assert (workdir / "trial-0000" / "params.json").read_text() == params
     assert run_hpo("rerun", scenario, "0").returncode == 0  # the study of the workdir goes on
     elsewhere = run_hpo("run", scenario, "--storage", f"sqlite:///{tmp_path / 'run1.db'}", "--workdir", tmp_path / "w2")
@@ -333,12 +335,14 @@ def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> 
     from hpo.cli import COMMANDS
 
     for command in COMMANDS:
-        helped = run_hpo(command.name, "--help")
+        helped = subprocess.run([sys.executable, "-m", "hpo", command.name, "--help"], env={**cli_env(), "COLUMNS": "100"},
+                                capture_output=True, text=True, timeout=60, check=False)  # no hyphen broken at a line end
         assert helped.returncode == 0, helped.stderr
         text = " ".join(helped.stdout.split())
         assert " ".join(command.summary.split()) in text and command.summary.endswith("."), command.name
         assert not re.search(r":(func|mod|class|data|meth):|``|InputError|_worker_gone", helped.stdout), helped.stdout
-    listed = " ".join(run_hpo("--help").stdout.split())
+    listed = " ".join(subprocess.run([sys.executable, "-m", "hpo", "--help"], env={**cli_env(), "COLUMNS": "100"},
+                                     capture_output=True, text=True, timeout=60, check=False).stdout.split())
     assert all(" ".join(command.summary.split()) in listed for command in COMMANDS), listed
 
 

@@ -56,7 +56,7 @@ def test_a_timeout_takes_one_grace_for_the_whole_tree_and_says_so(
     the child does (SIG_DFL); either way one grace, both gone, and the reason says SIGKILL was needed."""
     monkeypatch.setattr("hpo.launch.KILL_GRACE_S", GRACE_S)
     monkeypatch.setenv("HPO_GPUS", "")
-    timeout = 2.0
+    timeout = 4.0  # room for the tree to set SIG_IGN on a loaded machine before SIGTERM comes
     path = write_scenario(tmp_path, template_text=TREE.format(main=main), drop=["parameters.opt"],
                           search={"method": "sobol", "trials": 1}, objective={"held_out": []},
                           resources={"timeout": timeout})
@@ -127,7 +127,7 @@ def test_kill_by_token_gives_every_process_found_one_grace() -> None:
     try:
         began = time.monotonic()
         assert kill_by_token(token, grace_s=1.0) == 3
-        assert 1.0 <= time.monotonic() - began < 2.0
+        assert 1.0 <= time.monotonic() - began < 2.5  # one after another, three graces took 3 s
         assert all(_gone(proc.pid) for proc in procs)
     finally:
         for proc in procs:

@@ -35,6 +35,8 @@ def test_the_fixed_columns_are_those_export_writes(scenario_path: Path) -> None:
     out = io.StringIO()
     export_rows(SimpleNamespace(scenario=scenario), out, rows=[])
     header = next(csv.reader(io.StringIO(out.getvalue())))
+    assert header == ["number", "state", "x", "opt", "val_error", "test_error", "duration_s", "folder", "reason",
+                      "repeat_of"]  # as DESIGN.md and the README give it
     own = {*scenario.parameters, scenario.objective.metric, *scenario.objective.held_out}
     assert tuple(name for name in header if name not in own) == RESULTS_COLUMNS
     assert ", ".join(RESULTS_COLUMNS) == FIXED[1:-1]
