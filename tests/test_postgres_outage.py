@@ -1,7 +1,7 @@
 """A PostgreSQL server restarted and stopped under a 2-worker sweep: nothing lost, nothing doubled.
 
 The test creates a private cluster of its own (Debian's ``pg_createcluster``, named for this
-process, on a port free when the module is loaded), stops and starts it with ``pg_ctlcluster``,
+process, on the first port from 5433 free when the fixture starts), stops and starts it with ``pg_ctlcluster``,
 and removes it at the end, so the shared server other tests use is never stopped, and no other
 run of the suite on the machine can start or stop this one. It needs Debian's PostgreSQL server
 packages and root (CI has both); elsewhere it is skipped.
