@@ -73,7 +73,8 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
         _store(ctx)
     _made_folder(ctx.workdir, _workdir_flag(args))
     _claim_workdir(ctx, _workdir_flag(args))
-    _same_study(ctx, _workdir_flag(args), lambda: _study_created(ctx))
+    if not _started_by_run(args):  # hpo run checked for its workers, which ride out a store down at their start
+        _same_study(ctx, _workdir_flag(args), lambda: _study_created(ctx))
     return ctx
 
 
@@ -126,12 +127,14 @@ def _study_created(ctx: Context) -> str | None:
     """The ``created`` id of the context's study, None where it has none or is not made yet;
     nothing is written."""
     from hpo.storage import NoStudy
-    from hpo.store import STUDY_CREATED
+    from hpo.store import STUDY_CREATED, StudyStore
 
+    _quiet_optuna()
     try:
-        return _store(ctx).user_attrs.get(STUDY_CREATED)
+        store = StudyStore(ctx.scenario, ctx.storage, create=False, on_outage=_say_notice)  # said as the sweep says it
     except NoStudy:
         return None
+    return store.user_attrs.get(STUDY_CREATED)
 
 
 def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:

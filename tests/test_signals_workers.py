@@ -158,12 +158,12 @@ def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_
     while (found := started_trial(path)) is None:
         assert time.monotonic() < deadline and run.poll() is None, run.communicate()
         time.sleep(0.05)
-    number, pid = found
-    os.kill(pid, signal.SIGKILL)
+    os.kill(found[1], signal.SIGKILL)
     out, err = run.communicate(timeout=120)
-    logs = sorted((tmp_path / "runs" / "sweep").glob("worker-*.log"))
-    [killed] = [log for log in logs if re.search(rf"^trial {number} started", log.read_text(), re.MULTILINE)]
-    index = killed.stem.rpartition("-")[2]
-    assert f"hpo: worker-{index} was killed by SIGKILL (its log: {killed}); a trial it was running is judged lost" in out, out
-    assert (run.returncode, err) == (1, f"error: worker-{index} was killed by SIGKILL: see {killed.parent}/worker-*.log\n")
+    folder = tmp_path / "runs" / "sweep"
+    said = re.findall(rf"^hpo: worker-(\d) was killed by SIGKILL \(its log: {folder}/worker-(\d).log\); a trial it was "
+                      r"running is judged lost once its heartbeat stops, and runs again$", out, re.MULTILINE)
+    assert len(said) == 1 and said[0][0] == said[0][1], out
+    index = said[0][0]
+    assert (run.returncode, err) == (1, f"error: worker-{index} was killed by SIGKILL: see {folder}/worker-*.log\n")
     assert_every_point_once(path)
