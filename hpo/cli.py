@@ -800,13 +800,13 @@ def cmd_best(args: argparse.Namespace) -> int:
             raise InputError(f"--copy-to: {target} is inside trial {best.number}'s folder {best.folder}; "
                              "copy it to a folder outside it")
         _made_folder(target, "--copy-to")
+        _copy_folder(Path(best.folder), target, created)  # before anything is printed: a closed stdout ends the command
     held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
     for name, value in best.params.items():
         print(f"  {name} = {value}")
     print(f"  folder: {best.folder}")
     if target is not None:
-        _copy_folder(Path(best.folder), target, created)
         print(f"copied to {target}")
     return EXIT_OK
 

@@ -197,6 +197,18 @@ def test_a_copy_of_the_best_trial_that_fails_midway_leaves_nothing(study: Path, 
     assert sorted(p.name for p in target.parent.iterdir()) == ["copy"]
 
 
+def test_a_copy_of_the_best_trial_is_made_though_stdout_is_closed(study: Path) -> None:
+    """``hpo best S --copy-to D | true``: the first line met the closed pipe, the command ended
+    with exit 0 and nothing was copied."""
+    target = study.parent / "best-copy"
+    best = subprocess.Popen([sys.executable, "-m", "hpo", "best", str(study), "--copy-to", str(target)], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert best.stdout is not None
+    best.stdout.close()
+    assert best.wait(timeout=60) == 0
+    assert (target / "train.py").read_text().startswith("from hpo.results import report")
+
+
 def test_status_counts_a_running_trial_from_the_start_of_its_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("HPO_GPUS", "")
