@@ -112,15 +112,20 @@ def _same_study(ctx: Context, flag: str, created: Callable[[], str | None]) -> N
     """InputError naming ``flag`` where the workdir holds the trial folders of another study of
     the same name (one in another store, or removed and made anew): the marker's ``created``
     id is not ``created()``, the id of the study at the context's storage (None: not made yet),
-    asked only where the marker has one."""
+    asked only where the marker has one and trial folders are there (emptied, it is taken anew)."""
     mark = _workdir_mark(ctx)
-    if mark is None or not mark[1] or mark[1] == created():
+    if mark is None or not mark[1] or not _holds_trials(ctx.workdir) or mark[1] == created():
         return
     from hpo.storage import redact
 
     raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of another study named {mark[0]} (created "
                      f"{mark[1]}), not the one in {redact(ctx.storage)}; give this one a folder of its own "
                      f"(--workdir), or remove {ctx.workdir} if those trials are not wanted")
+
+
+def _holds_trials(workdir: Path) -> bool:
+    """Whether ``workdir`` holds a trial folder (a marker left alone in it marks no trials)."""
+    return any(path.is_dir() for path in workdir.glob("trial-*"))
 
 
 def _study_created(ctx: Context) -> str | None:
@@ -140,14 +145,15 @@ def _study_created(ctx: Context) -> str | None:
 def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:
     """Mark the workdir as the folder of this study's trials, the marker written whole; an
     InputError if another study marked it first (:func:`_workdir_owner`). ``created``, the
-    study's id, is added to a marker that lacks it (:func:`_same_study` checks it). On a full
+    study's id, is added to a marker that lacks it, or replaces another where no trial folder
+    is left (:func:`_same_study` checks it). On a full
     disk the workdir stays unmarked until a later command finds room: what the command writes
     next (the store, a trial's files) waits for room and says so."""
     from hpo.files import replacing
     from hpo.storage import disk_full
 
     mark = _workdir_mark(ctx) if _workdir_owner(ctx, flag) else None
-    if mark is not None and (mark[1] or not created):
+    if mark is not None and (mark[1] == created or not created or (mark[1] and _holds_trials(ctx.workdir))):
         return
     try:
         with replacing(ctx.workdir / WORKDIR_OWNER) as temporary:

@@ -84,6 +84,10 @@ def test_a_study_of_the_same_name_in_another_store_may_not_take_a_workdir(tmp_pa
         assert not Path(other.removeprefix("sqlite:///")).exists() or command[0] == "validate"  # no study made there
     assert (workdir / "trial-0000" / "params.json").read_text() == params
     assert run_hpo("rerun", scenario, "0").returncode == 0  # the study of the workdir goes on
+    for path in [*workdir.glob("trial-*"), *workdir.glob("study.db*")]:  # started over: its marker is left alone
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert run_hpo("run", scenario).returncode == 0
+    assert run_hpo("run", scenario, "--storage", f"sqlite:///{tmp_path / 'run1.db'}").returncode == 2
     elsewhere = run_hpo("run", scenario, "--storage", f"sqlite:///{tmp_path / 'run1.db'}", "--workdir", tmp_path / "w2")
     assert elsewhere.returncode == 0, elsewhere.stderr
 
