@@ -194,8 +194,8 @@ _CHECKED_BYTES = 1 << 20  # a copied file larger than this is data, not a script
 def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> None:
     """InputError where a template file written in the scenario holds a parameter's
     placeholder that will never be replaced: the file is copied as it is (its name lacks a
-    rendering suffix) and holds one in the scenario's syntax, or it is rendered and holds one
-    in the other syntax and none of its own."""
+    rendering suffix) and holds one in the scenario's syntax of a parameter passed by no flag,
+    or it is rendered and holds one in the other syntax and none of its own."""
     try:
         if template.stat().st_size > _CHECKED_BYTES:
             return
@@ -204,8 +204,10 @@ def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> N
         return
     params, syntax = set(scenario.parameters), scenario.syntax
     other = "dollar" if syntax == "jinja" else "jinja"
-    if not rendered:  # only the scenario's own syntax: a copied shell script's ${lr} is the shell's
-        found = sorted(_variables(text, syntax) & params)
+    if not rendered:  # only the scenario's own syntax (a copied shell script's ${lr} is the shell's), and only
+        # parameters that reach the trial by no flag (a script driven by flags may print "{{ lr }}" itself)
+        unflagged = {name for name in params if not (scenario.flags or scenario.parameters[name].flag)}
+        found = sorted(_variables(text, syntax) & unflagged)
         if found:
             raise InputError(f"template {template.name}: holds {_PLACEHOLDER[syntax].format(found[0])} but is copied "
                              f"as it is (only files named *{', *'.join(RENDERED_SUFFIXES)} are rendered): name it "

@@ -298,14 +298,16 @@ def test_a_placeholder_that_is_never_replaced_is_an_input_error(tmp_path: Path, 
     assert str(raised.value) == said
 
 
-@pytest.mark.parametrize(("syntax", "templates"), [
-    ("jinja", {"train.py.j2": "X={{ x }}\npython t.py --x ${X} --home ${HOME}\n"}),  # a shell variable beside its own
-    ("jinja", {"train.py": "HOME = '${HOME}'\nsize = {'w': 2}\n"}),  # no parameter's placeholder
-    ("jinja", {"run.sh": "x=$1\npython train.py --x ${x}\n"}),  # copied: the shell's own ${x}
-    ("jinja", {"models/net.py": "x = {{ x }}\n"}),  # a folder brings a project's files as they are
+@pytest.mark.parametrize(("syntax", "templates", "overrides"), [
+    ("jinja", {"train.py.j2": "X={{ x }}\npython t.py --x ${X} --home ${HOME}\n"}, {}),  # a shell variable beside its own
+    ("jinja", {"train.py": "HOME = '${HOME}'\nsize = {'w': 2}\n"}, {}),  # no parameter's placeholder
+    ("jinja", {"run.sh": "x=$1\npython train.py --x ${x}\n"}, {}),  # copied: the shell's own ${x}
+    ("jinja", {"train.py": "print(f'{{ x }} is {args.x}')\n"}, {"flags": True}),  # x reaches it as a flag
+    ("jinja", {"models/net.py": "x = {{ x }}\n"}, {}),  # a folder brings a project's files as they are
 ])
 def test_placeholders_of_no_parameter_or_beside_the_files_own_are_left_alone(
-        tmp_path: Path, write_scenario: WriteScenario, syntax: str, templates: dict[str, str]) -> None:
+        tmp_path: Path, write_scenario: WriteScenario, syntax: str, templates: dict[str, str],
+        overrides: dict[str, Any]) -> None:
     folder = tmp_path / "sc"
     if "models/net.py" in templates:
         (folder / "models").mkdir(parents=True)
@@ -314,4 +316,4 @@ def test_placeholders_of_no_parameter_or_beside_the_files_own_are_left_alone(
         path = write_scenario(folder, template=["models", "train.py.j2"], template_text=None, syntax=syntax)
         Renderer(load_scenario(path))
         return
-    _renderer(tmp_path, write_scenario, templates, syntax=syntax)
+    _renderer(tmp_path, write_scenario, templates, syntax=syntax, **overrides)
