@@ -559,6 +559,10 @@ class Sweep:
         original = store.rows([store.trial(number)])[0]
         if not original.params or original.outcome is Outcome.WAITING:
             raise InputError(f"trial {number}: it has no configuration to run again yet")
+        changed = space.outside(self._scenario.parameters, space.searched(self._scenario.parameters, original.params))
+        if changed is not None:
+            raise InputError(f"trial {number}: {changed}; hpo rerun runs a configuration of the scenario's search "
+                             "space as it is: rerun a trial run since the change")
         if seed is None:
             seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
         claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed))

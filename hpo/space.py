@@ -61,6 +61,23 @@ def with_constants(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def outside(params: Params, values: Mapping[str, Any]) -> str | None:
+    """Why ``values``, a trial's searched parameters, is no configuration of ``params`` (the
+    space changed since the trial ran: ``it has no z, which the scenario added since``), or None."""
+    chosen: dict[str, Any] = {}
+    for name, param in params.items():
+        if param.type == "constant":
+            continue
+        if is_active(param, chosen):
+            if name not in values:
+                return f"it has no {name}, which the scenario added since"
+            chosen[name] = values[name]
+        elif name in values:
+            return f"it ran with {name}={values[name]}, which the scenario's conditions now leave out"
+    extra = next((name for name in values if name not in params), None)
+    return None if extra is None else f"it ran with {extra}={values[extra]}, which the scenario no longer has"
+
+
 def searched(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` without the constants: what an Optuna trial records as its parameters."""
     return {name: value for name, value in values.items() if name not in params or params[name].type != "constant"}

@@ -360,3 +360,20 @@ def test_validate_checks_the_cluster_hpo_run_would_be_given(tmp_path: Path, writ
     bad = run_hpo("validate", scenario, "--cluster", "nonsense")
     assert (bad.returncode, bad.stderr) == (2, ("error: --cluster: expected a Dask scheduler address such as "
                                                "tcp://10.0.0.5:8786 ([tcp|tls|ucx|ws|wss://]HOST:PORT), got 'nonsense'\n"))
+
+
+def test_a_rerun_of_a_trial_from_before_a_space_change_is_refused(tmp_path: Path,
+                                                                    write_scenario: WriteScenario) -> None:
+    """After --allow-space-change added z, hpo rerun of an older trial drew a z of its own and
+    said the trial did not reproduce (+4614%)."""
+    scenario = write_scenario(tmp_path, drop=["parameters.opt"], search={"trials": 1})
+    assert run_hpo("run", scenario).returncode == 0
+    text = scenario.read_text()
+    scenario.write_text(text.replace("parameters:\n", "parameters:\n  z:\n    type: float\n    low: 0\n    high: 1\n")
+                        .replace("trials: 1", "trials: 2"))
+    assert run_hpo("run", scenario, "--allow-space-change").returncode == 0
+    refused = run_hpo("rerun", scenario, "0", "--allow-space-change")
+    assert (refused.returncode, refused.stderr) == (2, (
+        "error: trial 0: it has no z, which the scenario added since; hpo rerun runs a configuration of the "
+        "scenario's search space as it is: rerun a trial run since the change\n"))
+    assert run_hpo("rerun", scenario, "1", "--allow-space-change").returncode == 0

@@ -309,3 +309,17 @@ def test_float_values_are_finite_after_from_unit() -> None:
     params = {"lr": P(type="float", low=1e-6, high=1.0, log=True)}
     for u in np.linspace(0, 1, 11):
         assert math.isfinite(space.from_unit(params, np.array([u]))["lr"])
+
+
+def test_a_configuration_from_before_a_space_change_is_said_to_be_outside_it() -> None:
+    from hpo.space import outside
+
+    params = {"opt": Param(type="categorical", choices=("sgd", "adam")),
+              "mom": Param(type="float", low=0.0, high=1.0, condition={"opt": "sgd"}),
+              "epochs": Param(type="constant", value=3)}
+    assert outside(params, {"opt": "sgd", "mom": 0.5}) is None
+    assert outside(params, {"opt": "adam"}) is None
+    assert outside(params, {"opt": "sgd"}) == "it has no mom, which the scenario added since"
+    assert outside(params, {"opt": "adam", "mom": 0.5}) == \
+        "it ran with mom=0.5, which the scenario's conditions now leave out"
+    assert outside(params, {"opt": "adam", "lr": 0.1}) == "it ran with lr=0.1, which the scenario no longer has"
