@@ -334,7 +334,9 @@ class Renderer:
     def files(self, number: int, folder: Path, params: Mapping[str, Any], argv: Sequence[str],
               seed: int | None = None) -> tuple[TrialFile, ...]:
         """The trial folder's files: rendered templates, copied files, ``params.json`` and
-        ``command.txt``, in memory (written by :func:`write_files` wherever the trial runs)."""
+        ``command.txt``, in memory (written by :func:`write_files` wherever the trial runs).
+        ``command.txt`` runs the trial again from a copy of its folder (``sh command.txt``): the
+        scenario's ``env`` comes first, through ``env``."""
         texts = self.render_texts(number, folder, params, seed)
         out = []
         for name, render, template in self._renderers:
@@ -344,5 +346,6 @@ class Renderer:
         context = self.context(number, folder, params, seed)
         record = {"trial": number, "params": dict(params), "trial_seed": context["trial_seed"]}
         out.append(TrialFile(PARAMS_FILE, (json.dumps(record, indent=2) + "\n").encode()))
-        out.append(TrialFile(COMMAND_FILE, (shlex.join(argv) + "\n").encode()))
+        env = [f"{name}={value}" for name, value in self._scenario.env.items()]
+        out.append(TrialFile(COMMAND_FILE, (shlex.join([*(["env", *env] if env else []), *argv]) + "\n").encode()))
         return tuple(out)

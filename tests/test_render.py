@@ -128,6 +128,15 @@ def test_params_json_and_command_txt(tmp_path: Path, write_scenario: WriteScenar
     assert shlex.split(command) == argv
 
 
+def test_command_txt_sets_the_scenarios_env(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A copy of the best trial's folder ran without the scenario's env, and gave another result."""
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ x }}"}, env={"SCALE": "2.5", "NOTE": "a b"})
+    folder = tmp_path / "t"
+    _render(renderer, folder, 0, {"x": 0.5, "opt": "a"}, ["/usr/bin/python3", "train.py"])
+    assert shlex.split((folder / COMMAND_FILE).read_text()) == ["env", "SCALE=2.5", "NOTE=a b", "/usr/bin/python3",
+                                                                "train.py"]
+
+
 def test_render_texts_writes_nothing(tmp_path: Path, write_scenario: WriteScenario) -> None:
     renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ x }}", "helper.py": "pass"})
     folder = tmp_path / "never"
