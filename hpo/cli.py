@@ -521,7 +521,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(table)
     console.print(summary_line(summary, scenario.objective.metric, value_digits), highlight=False, soft_wrap=True)
     if best is not None:
-        console.print(f"best params: {format_params(best.params)}", highlight=False, soft_wrap=True)
+        console.print(f"best params: {format_params(best.params, 6)}", highlight=False, soft_wrap=True)
     return EXIT_OK
 
 

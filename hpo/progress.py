@@ -32,9 +32,9 @@ POLL_S = 2.0
 FAILURES_SHOWN = 3
 
 
-def format_params(params: Mapping[str, Any]) -> str:
-    """``lr=0.01 optimizer=adam``: short and stable, floats to 4 significant digits."""
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+def format_params(params: Mapping[str, Any], digits: int = 4) -> str:
+    """``lr=0.01 optimizer=adam``: short and stable, floats to ``digits`` significant digits."""
+    return " ".join(f"{k}={v:.{digits}g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
 def format_metrics(value: float | None, metric: str, held_out: Mapping[str, float], digits: int = 4) -> str:
