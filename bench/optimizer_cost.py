@@ -92,9 +92,11 @@ def fresh_copy(history: Path, store: Path) -> Path:
 
 def continue_study(folder: Path, store: Path, name: str, method: str, total: int) -> float:
     """Seconds per trial of ``hpo run`` continuing the study in ``store`` to ``total`` trials."""
+    workdir = folder / f"runs-{store.stem}"  # trial folders of one copy of the study: each is a study of its own
+    shutil.rmtree(workdir, ignore_errors=True)
     scenario = {"name": name, "template": "trial.py.j2", "command": "python trial.py", "parameters": PARAMETERS,
                 "search": {"method": method, "trials": total, "seed": 1}, "storage": f"sqlite:///{store}",
-                "resources": {"parallel": 1}}
+                "workdir": str(workdir), "resources": {"parallel": 1}}
     path = folder / f"{method}.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
     before = _finished(store, name)
