@@ -84,6 +84,18 @@ def started_epoch(path: Path, number: int) -> float:
     return float(store.trial(number).system_attrs[SYS_STARTED]["at"])
 
 
+def run_two_workers_until_a_trial_runs(path: Path) -> tuple[subprocess.Popen[str], int, int]:
+    """``hpo run --workers 2`` on ``path``, once a trial's process runs: the run, the trial's
+    number and its worker's pid."""
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2"], env=cli_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while (found := started_trial(path)) is None:
+        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+        time.sleep(0.05)
+    return run, *found
+
+
 def freeze_without_the_ask_lock(pid: int, lock_path: Path) -> None:
     """SIGSTOP ``pid`` at a moment it does not hold the study's ask lock (frozen with it, it
     would keep every other worker from judging its trial: a wait the sweep says, see
@@ -112,13 +124,8 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
     ahead and lost meanwhile, and the other worker's log says whom it judged lost and which
     trial runs the configuration again."""
     path = write(tmp_path, 2, pause=1.0)
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2"], env=cli_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run, number, pid = run_two_workers_until_a_trial_runs(path)
     deadline = time.monotonic() + 60
-    while (found := started_trial(path)) is None:
-        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
-        time.sleep(0.05)
-    number, pid = found
     freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
     frozen_at = time.time()
     try:
@@ -152,13 +159,8 @@ def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_
     """kill -9 of one of hpo run's workers: nothing was said until the end, which said only
     'worker-0 (exit -9) ended with an error'."""
     path = write(tmp_path, 2, pause=1.0)
-    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2"], env=cli_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while (found := started_trial(path)) is None:
-        assert time.monotonic() < deadline and run.poll() is None, run.communicate()
-        time.sleep(0.05)
-    os.kill(found[1], signal.SIGKILL)
+    run, _, pid = run_two_workers_until_a_trial_runs(path)
+    os.kill(pid, signal.SIGKILL)
     out, err = run.communicate(timeout=120)
     folder = tmp_path / "runs" / "sweep"
     said = re.findall(rf"^hpo: worker-(\d) was killed by SIGKILL \(its log: {folder}/worker-(\d).log\); a trial it was "
