@@ -94,18 +94,16 @@ def _workdir_mark(ctx: Context) -> tuple[str, str] | None:
     return lines[0].strip(), lines[1].strip() if len(lines) > 1 else ""
 
 
-def _workdir_owner(ctx: Context, flag: str) -> str | None:
-    """The study whose trial folders the workdir holds (its marker), or None; an InputError
-    naming ``flag`` where that is another study (trial folders are named by number alone, so
-    two studies would overwrite each other's). Writes nothing."""
+def _workdir_owner(ctx: Context, flag: str) -> tuple[str, str] | None:
+    """The mark of the study whose trial folders the workdir holds (:func:`_workdir_mark`), or
+    None; an InputError naming ``flag`` where that is another study (trial folders are named by
+    number alone, so two studies would overwrite each other's). Writes nothing."""
     mark = _workdir_mark(ctx)
-    if mark is None:
-        return None
     name = ctx.scenario.name
-    if mark[0] != name:
+    if mark is not None and mark[0] != name:
         raise InputError(f"{flag}: {ctx.workdir} holds the trial folders of study {mark[0]}; "
                          f"give study {name} a folder of its own")
-    return mark[0]
+    return mark
 
 
 def _same_study(ctx: Context, flag: str, created: Callable[[], str | None]) -> None:
@@ -152,7 +150,7 @@ def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:
     from hpo.files import replacing
     from hpo.storage import disk_full
 
-    mark = _workdir_mark(ctx) if _workdir_owner(ctx, flag) else None
+    mark = _workdir_owner(ctx, flag)
     if mark is not None and (mark[1] == created or not created or (mark[1] and _holds_trials(ctx.workdir))):
         return
     try:
@@ -296,8 +294,7 @@ def _sweep_config(ctx: Context, slots: tuple[Any, ...], seed: int, args: argpars
 
 def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     """The Dask executor of ``--cluster ADDRESS`` or ``resources.cluster``, or None (this machine)."""
-    given = _given_cluster(args)
-    cluster = ctx.scenario.resources.cluster
+    cluster = ctx.scenario.resources.cluster  # --cluster stands for it (:func:`_context`)
     if cluster is None:
         return None
     import logging
@@ -307,7 +304,7 @@ def _cluster(ctx: Context, args: argparse.Namespace) -> Any:
     logging.getLogger("distributed.client").setLevel(logging.CRITICAL)  # hpo says itself when the scheduler is gone
     return open_cluster(cluster, ctx.scenario.resources, say=_say_notice,
                         job_logs=ctx.workdir / "jobs",
-                        field="--cluster" if given else "resources.cluster")
+                        field="--cluster" if getattr(args, "cluster", None) is not None else "resources.cluster")
 
 
 def _given_cluster(args: argparse.Namespace) -> Any:
@@ -364,7 +361,7 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the sweep to the end (resumable); --workers K runs K optimizer processes. Output
-    that a full disk or a closed pipe refuses is dropped, not fatal (:mod:`hpo.worker_logs`)."""
+    that a full disk or a closed pipe refuses is dropped, not fatal (:mod:`hpo.output`)."""
     from hpo.output import output_dropped_when_refused
 
     with output_dropped_when_refused():

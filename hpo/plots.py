@@ -302,9 +302,15 @@ class Importances:
 
 def varying_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
     """The scenario's parameters that every completed trial has and that took two values or more."""
+    return [name for name, values in _held_by_all(rows, parameters).items() if len(values) > 1]
+
+
+def _held_by_all(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> dict[str, dict[str, Any]]:
+    """The scenario's searched parameters that every completed trial has, each with its values
+    among them (by ``repr``, in order of first appearance)."""
     done = _completed(rows)
     names = [n for n, p in parameters.items() if p.type != "constant" and done and all(n in r.params for r in done)]
-    return [n for n in names if len({repr(r.params[n]) for r in done}) > 1]
+    return {n: {repr(r.params[n]): r.params[n] for r in done} for n in names}
 
 
 def partial_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:
@@ -318,9 +324,8 @@ def partial_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> 
 def fixed_params(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> dict[str, Any]:
     """The scenario's searched parameters that every completed trial has with one same value
     (by name, that value): :func:`varying_params` leaves them out, and the charts say so."""
-    done = _completed(rows)
-    names = [n for n, p in parameters.items() if p.type != "constant" and done and all(n in r.params for r in done)]
-    return {n: done[0].params[n] for n in names if len({repr(r.params[n]) for r in done}) == 1}
+    return {name: next(iter(values.values())) for name, values in _held_by_all(rows, parameters).items()
+            if len(values) == 1}
 
 
 def _left_out(rows: Sequence[PlotRow], parameters: Mapping[str, Param]) -> list[str]:

@@ -192,8 +192,9 @@ class ProgressView:
         self._done = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="hpo-progress", daemon=True)
 
-    def _read(self) -> Tally:
-        return tally(self._store.rows(), self._budget, self._objective.direction)
+    def _read(self, rows: list[TrialRow] | None = None) -> Tally:
+        """The tally of ``rows``, or of the study's rows read now."""
+        return tally(self._store.rows() if rows is None else rows, self._budget, self._objective.direction)
 
     def _poll(self) -> None:
         while not self._done.wait(POLL_S):
@@ -222,7 +223,7 @@ class ProgressView:
         rows: list[TrialRow] = []
         try:
             rows = self._store.rows()
-            final = tally(rows, self._budget, self._objective.direction)
+            final = self._read(rows)
         except Exception:  # the store is down: the last counts seen
             final = self._tally
         with self._lock:

@@ -98,6 +98,10 @@ def _param_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> str | 
     return None
 
 
+INDEXED_DESIGNS = ("csv", "grid")
+"""The designs whose trials :func:`design_change` compares with the points their numbers name now."""
+
+
 def design_change(scenario: Scenario, rows: Iterable[TrialRow]) -> str | None:
     """A one-line description of the first design point (by ``design_index``) whose values
     the scenario now gives otherwise than a trial of ``rows`` ran it with, or None.
@@ -111,9 +115,11 @@ def design_change(scenario: Scenario, rows: Iterable[TrialRow]) -> str | None:
     through the space, and are not compared.
     """
     method = scenario.search.method
+    if method not in INDEXED_DESIGNS:
+        return None
     ran = sorted((row for row in rows if row.design_index is not None),
                  key=lambda row: (row.design_index, row.number))
-    if method not in ("csv", "grid") or not ran:
+    if not ran:
         return None
     params = scenario.parameters
     free = space.free_parameters(params)

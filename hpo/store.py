@@ -38,7 +38,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
 from hpo.scenario import Scenario
-from hpo.spacecheck import design_change, space_change, stored_change
+from hpo.spacecheck import INDEXED_DESIGNS, design_change, space_change, stored_change
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
@@ -269,8 +269,8 @@ class StudyStore:
         if change is not None:
             raise InputError(f"{change}: the study {self.scenario.name} was run in another search space "
                              "(resume with --allow-space-change to accept it, or use a new name)")
-        edited = design_change(self.scenario, self.rows())
-        if edited is not None:
+        edited = design_change(self.scenario, self.rows()) if self.scenario.search.method in INDEXED_DESIGNS else None
+        if edited is not None:  # the rows are read only where a design is compared with them
             raise InputError(edited)
 
     def _check_stored(self) -> None:
