@@ -238,6 +238,17 @@ def _fits(values: Sequence[float], axis: ValueAxis) -> bool:
     return all(low - margin <= v <= high + margin for v in finite)
 
 
+def _widened(axis: ValueAxis | None, beside: Sequence[float]) -> ValueAxis | None:
+    """``axis`` stretched (with its padding) to the finite values of ``beside``, the held-out
+    metrics drawn on it, so that none leaves it; a clipped axis is left as it is (they are
+    drawn at its edge, as the objective's outliers are)."""
+    finite = [v for v in beside if math.isfinite(v)]
+    if axis is None or axis.clipped or not finite:
+        return axis
+    low, high = _padded(min(finite), max(finite), axis.scale)
+    return ValueAxis(axis.scale, min(axis.low, low), max(axis.high, high))
+
+
 def history_data(rows: Sequence[PlotRow], direction: str, held_out: Sequence[str]) -> History:
     """Objective per completed trial, the running best, that best trial's held-out metrics, the others."""
     done = _completed(rows)
@@ -258,11 +269,12 @@ def history_data(rows: Sequence[PlotRow], direction: str, held_out: Sequence[str
         if row.number not in done_numbers:
             others.setdefault(Outcome(row.state), []).append(row.number)
     reasons = Counter(r.reason for r in rows if r.reason and Outcome(r.state) in (Outcome.FAIL, Outcome.TIMEOUT))
+    apart = tuple(name for name, series in best_held.items() if axis and not _fits(series, axis))
     return History(
         numbers=tuple(r.number for r in done), values=values, best_values=tuple(best_values),
         best_trial=best.number if best else None, best_held_out={k: tuple(v) for k, v in best_held.items()},
-        axis=axis,
-        held_out_apart=tuple(name for name, series in best_held.items() if axis and not _fits(series, axis)),
+        axis=_widened(axis, [v for name, series in best_held.items() if name not in apart for v in series]),
+        held_out_apart=apart,
         others={state: tuple(numbers) for state, numbers in others.items()},
         last_number=max((r.number for r in rows), default=0),
         commonest=tuple((reason, count) for reason, count in reasons.items() if count == max(reasons.values())))

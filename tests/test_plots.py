@@ -246,6 +246,13 @@ def test_a_held_out_metric_on_another_scale_gets_its_own_panel(values: list[floa
     assert history_data(rows, "minimize", tuple(held_out)).held_out_apart == apart
 
 
+def test_a_held_out_metric_beside_the_objective_stays_on_its_axis() -> None:
+    rows = [Row(n, "COMPLETE", value=v, held_out={"test_error": v + 0.05}) for n, v in enumerate([0.5, 0.4, 0.3])]
+    data = history_data(rows, "minimize", ("test_error",))
+    assert data.held_out_apart == () and data.axis is not None
+    assert data.axis.low < 0.3 and data.axis.high > 0.55
+
+
 def test_history_marks_the_trials_that_did_not_complete_by_state() -> None:
     rows = mixed_rows()
     data = history_data(rows, "minimize", ("test_error",))
