@@ -151,7 +151,7 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
             processes = resources.gpus_per_trial
         else:
             processes = resources.processes_per_trial or 1
-        count = max(1, cpus // processes) if wanted == "auto" else max(wanted, at_least)
+        count = max(at_least, cpus // processes) if wanted == "auto" else max(wanted, at_least)
         assigned = [()] * count
     threads = threads or max(1, cpus // (count * processes))
     return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
@@ -167,8 +167,11 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
 
     Every active parameter is passed when ``flags: true``, and a parameter with its own
     ``flag`` always; its flag is that ``flag`` or the name in ``flag_style`` (``--name value``,
-    ``--name=value`` or ``-name value``). A bool is a switch: present when true, absent
-    when false. With ``seed_flag`` set, ``seed`` (the trial's seed) is passed under it.
+    ``--name=value`` or ``-name value``). A value that starts with ``-`` (``-6.4e-05``, a
+    choice ``-x``) is always joined to its flag (``--name=-6.4e-05``), as argparse, click and
+    Go's flag package read it: on its own it would be taken for a flag. A bool is a switch:
+    present when true, absent when false. With ``seed_flag`` set, ``seed`` (the trial's seed)
+    is passed under it.
     """
     joined = scenario.flag_style == "--name=value"
     out: list[str] = []
@@ -177,7 +180,8 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
         if isinstance(value, bool):
             out.extend([flag] if value else [])
         else:
-            out.extend([f"{flag}={value}"] if joined else [flag, str(value)])
+            text = str(value)
+            out.extend([f"{flag}={text}"] if joined or text.startswith("-") else [flag, text])
 
     for name, value in values.items():
         flag = scenario.flag_of(name)

@@ -1,6 +1,7 @@
 """Launching trials: argument lists, task slots with fake GPUs, and the process tree's lifetime."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -99,6 +100,24 @@ def test_flag_names_styles_switches_and_the_seed_flag(style: str, expected: list
     sc = scenario(["python", "main.py"], values, flags=True, flag_style=style, seed_flag="--seed",
                   batch_size_param={"flag": "--batch-size"}, save_model_param={"flag": "--save-model"})
     assert flag_args(sc, values, seed=7) == expected
+
+
+@pytest.mark.parametrize("style", ["--name", "-name"])
+def test_a_value_that_starts_with_a_dash_is_joined_to_its_flag(style: str) -> None:
+    values = {"bias": -6.4e-05, "activation": "-x", "depth": -3, "lr": 0.1}
+    sc = scenario(["python", "main.py"], values, flags=True, flag_style=style)
+    dash = style[:-4]
+    assert flag_args(sc, values) == [f"{dash}bias=-6.4e-05", f"{dash}activation=-x", f"{dash}depth=-3",
+                                     f"{dash}lr", "0.1"]
+
+
+def test_negative_values_reach_an_argparse_script_as_numbers() -> None:
+    values = {"bias": -6.4e-05, "shift": -2.0}
+    sc = scenario(["python", "main.py"], values, flags=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bias", type=float)
+    parser.add_argument("--shift", type=float)
+    assert vars(parser.parse_args(flag_args(sc, values))) == values
 
 
 def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
@@ -238,6 +257,11 @@ def test_plan_slots_on_cpu(parallel: int, per_trial: int, cpus: int, threads: in
 def test_workers_share_the_machine(workers: int, cpus: int, threads: int) -> None:
     slots = plan_slots(Resources(parallel=1), (), cpu_count=cpus, at_least=workers)
     assert len(slots) == workers and all(slot.threads == threads for slot in slots)
+
+
+def test_more_workers_than_cpus_get_a_slot_each_under_parallel_auto() -> None:
+    slots = plan_slots(Resources(parallel="auto", processes_per_trial=2), (), cpu_count=2, at_least=2)
+    assert [(slot.processes, slot.threads) for slot in slots] == [(2, 1), (2, 1)]
 
 
 def test_the_main_job_on_zero_one_and_two_gpus() -> None:
