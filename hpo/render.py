@@ -2,14 +2,17 @@
 
 A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is rendered and
 written without that suffix; any other file is copied as it is. A folder brings its files,
-rendered or copied the same way, under its own name (``models/``, ``models/net.py``). The
-syntax is Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's
-``${lr}``. Templates
-see every parameter by name plus ``trial_number``, ``trial_dir``, ``seed`` (the study's),
-``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the scenario sets it,
-``data_dir``. A template file named in the scenario that holds a parameter's placeholder it is
-never rendered with (``{{ lr }}`` in a file that is copied, ``${lr}`` in a Jinja template that
-uses no Jinja) is bad input.
+rendered or copied the same way, under its own name (``models/``, ``models/net.py``); a link
+to a folder inside it is linked, not copied (``models/data`` links to where ``data`` leads),
+and a link that leads nowhere, or to a folder that holds it, is bad input. The syntax is
+Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``; a
+Jinja template may include, import or extend the files of its own folder and of the template
+folder it is in. Templates see every parameter by name plus ``trial_number``, ``trial_dir``,
+``seed`` (the study's), ``trial_seed`` (the trial's own, see :func:`trial_seed`) and, when the
+scenario sets it, ``data_dir``. A template file named in the scenario that holds a parameter's
+placeholder it is never rendered with (``{{ lr }}`` in a file that is copied, ``${lr}`` in a
+Jinja template that uses no Jinja) is bad input, and so is such a placeholder of any of these
+names in the command, post_process or an ``env`` value, which are never rendered.
 
 A trial folder whose disk is full (ENOSPC, a quota) is no fault of the trial: its writes
 raise :class:`FolderFull`, which names the file and the room left on its disk.
@@ -17,6 +20,7 @@ raise :class:`FolderFull`, which names the file and the room left on its disk.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -127,11 +131,14 @@ def _variables(text: str, syntax: str) -> set[str]:
         return set()
 
 
-def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
+def _jinja(template: Path, text: str, folder: Path) -> Callable[[Mapping[str, Any]], str]:
+    """Jinja2 syntax; ``{% include %}``, ``{% import %}`` and ``{% extends %}`` find the files of
+    the template's own folder, then of ``folder`` (the template folder it is in)."""
     import jinja2
 
+    searched = list(dict.fromkeys((template.parent, folder)))
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
+                             autoescape=False, loader=jinja2.FileSystemLoader(searched))
     try:
         compiled = env.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
@@ -140,47 +147,82 @@ def _jinja(template: Path, text: str) -> Callable[[Mapping[str, Any]], str]:
     def render(context: Mapping[str, Any]) -> str:
         try:
             return compiled.render(**context)
+        except jinja2.TemplateNotFound as exc:
+            problem = f"{' or '.join(map(str, exc.templates))} not found in {' or '.join(map(str, searched))}"
+            tb = exc.__traceback__
         except jinja2.TemplateError as exc:
             problem, tb = exc.message or str(exc), exc.__traceback__
         except Exception as exc:  # the template's own code failed, e.g. {{ 1 / 0 }}
             problem, tb = f"{type(exc).__name__}: {exc}", exc.__traceback__
-        raise InputError(f"template {template.name}{_template_line(tb)}: {problem}")
+        raise InputError(f"template {template.name}{_template_lines(tb, template.parent)}: {problem}")
 
     return render
 
 
-def _template_line(tb: TracebackType | None) -> str:
-    """`` line N`` of the innermost template frame of a rendering error's traceback, or ''."""
-    line = ""
+def _template_lines(tb: TracebackType | None, folder: Path) -> str:
+    """Where a rendering error's traceback passed through templates, or '': `` line N`` of the
+    template itself, then ``, common.j2 line M`` for each file it included, imported or
+    extended (named from ``folder``); the innermost line of each."""
+    frames: list[tuple[str, int]] = []
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<template>":
-            line = f" line {tb.tb_lineno}"
+        if "__jinja_exception__" in tb.tb_frame.f_globals:  # a template's frame (jinja2.debug.fake_traceback)
+            filename = tb.tb_frame.f_code.co_filename
+            if frames and frames[-1][0] == filename:
+                frames.pop()
+            frames.append((filename, tb.tb_lineno))
         tb = tb.tb_next
-    return line
+    lines = [f"line {line}" if filename == "<template>" else f"{os.path.relpath(filename, folder)} line {line}"
+             for filename, line in frames]
+    return f" {', '.join(lines)}" if lines else ""
 
 
 @dataclass(frozen=True)
 class TrialFile:
-    """One file of a trial folder: its name in the folder, its bytes and its mode bits."""
+    """One file of a trial folder: its name in the folder, its bytes and its mode bits; with
+    ``link``, a link to that folder instead (a linked folder of a template folder)."""
 
     name: str
     data: bytes
     mode: int = 0o644
+    link: Path | None = None
 
 
-def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool]]:
+def _link_target(link: Path) -> Path:
+    """Where the symbolic link ``link`` of a template folder leads; InputError where it leads
+    nowhere (a missing target, a loop) or to a folder that holds it (trial folders would hold
+    themselves)."""
+    try:
+        target = link.resolve(strict=True)
+    except FileNotFoundError:
+        raise InputError(f"template: {link} links to {os.readlink(link)}, which is not found") from None
+    except (OSError, RuntimeError) as exc:  # a loop: RuntimeError, OSError ELOOP from Python 3.13
+        loop = not isinstance(exc, OSError) or exc.errno == errno.ELOOP
+        problem = "is a link loop" if loop else f"cannot be followed: {exc.strerror}"
+        raise InputError(f"template: {link} {problem}") from None
+    if link.parent.resolve().is_relative_to(target):
+        raise InputError(f"template: {link} links to {target}, a folder that holds it")
+    return target
+
+
+def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool, Path]]:
     """Each file a trial folder gets from ``templates``: (source, name in the folder, rendered
-    or copied). A folder brings every file below it under its own name, ``__pycache__`` left out."""
+    or copied, the template folder it is in). A folder brings every file below it under its own
+    name, ``__pycache__`` left out; a link to a folder below it comes as that folder (the source),
+    which the trial folder links (:func:`_link_target`)."""
     out = []
     for template in templates:
         if template.is_dir():
-            files = sorted(path for path in template.rglob("*")
-                           if path.is_file() and "__pycache__" not in path.relative_to(template).parts)
-            for path in files:
-                name, rendered = _output_name(path)
-                out.append((path, (path.parent.relative_to(template.parent) / name).as_posix(), rendered))
+            for path in sorted(template.rglob("*")):  # rglob lists a linked folder, and does not enter it
+                if "__pycache__" in path.relative_to(template).parts:
+                    continue
+                linked = _link_target(path) if path.is_symlink() else None
+                if linked is not None and linked.is_dir():
+                    out.append((linked, path.relative_to(template.parent).as_posix(), False, template))
+                elif path.is_file():
+                    name, rendered = _output_name(path)
+                    out.append((path, (path.parent.relative_to(template.parent) / name).as_posix(), rendered, template))
         elif template.is_file():
-            out.append((template, *_output_name(template)))
+            out.append((template, *_output_name(template), template.parent))
         else:
             raise InputError(f"template: file {template} not found")
     return out
@@ -220,6 +262,35 @@ def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> N
                          f"{other}")
 
 
+_CONTEXT_HINTS = {
+    "trial_number": "the command sees it as HPO_TRIAL_NUMBER, or put it in a rendered template",
+    "trial_dir": "the command sees it as HPO_TRIAL_DIR, or put it in a rendered template",
+    "trial_seed": "pass it with seed_flag, or put it in a rendered template",
+    "seed": "put it in a rendered template",
+    "data_dir": "put it in a rendered template",
+}
+
+
+def _check_unrendered(scenario: Scenario) -> None:
+    """InputError where the command, post_process or an ``env`` value holds the placeholder of
+    a name templates see (a parameter, ``trial_seed``, ...), in either syntax (``${lr}``, or
+    ``{{ lr }}``, which the command's split gives as ``{{``, ``lr``, ``}}``): they are neither
+    rendered nor run by a shell, so every trial would get it as it is."""
+    names = {*scenario.parameters, *_CONTEXT_HINTS} - (set() if scenario.data_dir is not None else {"data_dir"})
+    command = "the command is neither rendered nor run by a shell"
+    texts = {"command": (" ".join(scenario.command), command),
+             "objective.post_process": (" ".join(scenario.objective.post_process or ()), command),
+             **{f"env.{key}": (value, "env is not rendered") for key, value in scenario.env.items()}}
+    for field, (text, why) in texts.items():
+        for syntax in ("jinja", "dollar"):
+            found = sorted(_variables(text, syntax) & names)
+            if found:
+                name = found[0]
+                hint = _CONTEXT_HINTS.get(name, f"pass {name} as a flag (parameters.{name}.flag, or flags: true) "
+                                                f"or put it in a rendered template")
+                raise InputError(f"{field}: {_PLACEHOLDER[syntax].format(name)} is passed as it is: {why}; {hint}")
+
+
 def _check_data_dir(scenario: Scenario) -> None:
     """InputError unless the scenario's ``data_dir``, if set, is an existing folder; where
     trials run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
@@ -229,11 +300,11 @@ def _check_data_dir(scenario: Scenario) -> None:
         raise InputError(f"data_dir: {data_dir} {problem}")
 
 
-def _check_template_paths(scenario: Scenario, entries: Sequence[tuple[Path, str, bool]]) -> None:
+def _check_template_paths(scenario: Scenario, entries: Sequence[tuple[Path, str, bool, Path]]) -> None:
     """InputError where the command or post_process names a template by its path from the
     scenario's folder (``sub/t.py``) while the trial folder holds it under another name (``t.py``)."""
-    names = {name for _, name, _ in entries}
-    written_as = {source: name for source, name, _ in entries}
+    names = {name for _, name, _, _ in entries}
+    written_as = {source: name for source, name, _, _ in entries}
     commands = {"command": scenario.command, "objective.post_process": scenario.objective.post_process or ()}
     for field, argv in commands.items():
         for arg in argv:
@@ -262,25 +333,31 @@ def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
         target = folder / file.name
         with folder_writes(target):
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(file.data)
-            target.chmod(file.mode)
+            if file.link is not None:
+                if target.is_symlink():  # written before, by a try the full disk stopped
+                    target.unlink()
+                target.symlink_to(file.link, target_is_directory=True)
+            else:
+                target.write_bytes(file.data)
+                target.chmod(file.mode)
 
 
 class Renderer:
     """Compiles a scenario's templates once; renders them into one folder per trial.
 
     Construction raises :class:`InputError` for a missing template, a syntax error, a
-    ``data_dir`` that is not a folder, or a command that names a template by a path the trial
-    folder does not hold it under.
+    ``data_dir`` that is not a folder, a command that names a template by a path the trial
+    folder does not hold it under, or a placeholder in the command or ``env`` (:func:`_check_unrendered`).
     """
 
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
         _check_data_dir(scenario)
+        _check_unrendered(scenario)
         entries = _entries(scenario.template)
         names: set[str] = set()
-        for template, name, rendered in entries:
+        for template, name, rendered, folder in entries:
             if name in names or name in RESERVED_FILES:
                 raise InputError(f"template: two files would be written as {name}")
             names.add(name)
@@ -290,7 +367,7 @@ class Renderer:
                     text = template.read_text()
                 except UnicodeDecodeError:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
-                render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text)
+                render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text, folder)
             if template in scenario.template:  # named on its own: a folder brings a project's files as they are
                 _check_placeholders(scenario, template, rendered)
             self._renderers.append((name, render, template))
@@ -340,6 +417,9 @@ class Renderer:
         texts = self.render_texts(number, folder, params, seed)
         out = []
         for name, render, template in self._renderers:
+            if template.is_dir():
+                out.append(TrialFile(name, b"", link=template))
+                continue
             mode = template.stat().st_mode & 0o777
             data = template.read_bytes() if render is None else texts[name].encode()
             out.append(TrialFile(name, data, mode))

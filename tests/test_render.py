@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import stat
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder, write_
 from hpo.scenario import Scenario, load_scenario
 
 WriteScenario = Callable[..., Path]
+RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def _renderer(tmp_path: Path, write_scenario: WriteScenario, templates: dict[str, str | bytes],
@@ -326,3 +328,140 @@ def test_placeholders_of_no_parameter_or_beside_the_files_own_are_left_alone(
         Renderer(load_scenario(path))
         return
     _renderer(tmp_path, write_scenario, templates, syntax=syntax, **overrides)
+
+
+FLAG_HINT = "pass x as a flag (parameters.x.flag, or flags: true) or put it in a rendered template"
+NOT_RUN = "is passed as it is: the command is neither rendered nor run by a shell"
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    pytest.param({"syntax": "dollar", "command": "python train.py x=${x}"},
+                 f"command: ${{x}} {NOT_RUN}; {FLAG_HINT}", id="dollar"),
+    pytest.param({"command": "python train.py --x {{ x }}"}, f"command: {{{{ x }}}} {NOT_RUN}; {FLAG_HINT}",
+                 id="jinja-split-by-the-command"),
+    pytest.param({"command": ["python", "train.py", "x={{x|round(2)}}"]},
+                 f"command: {{{{ x }}}} {NOT_RUN}; {FLAG_HINT}", id="jinja-in-one-argument"),
+    pytest.param({"env": {"X": "${x}"}}, f"env.X: ${{x}} is passed as it is: env is not rendered; {FLAG_HINT}",
+                 id="env"),
+    pytest.param({"objective": {"post_process": "python train.py --seed {{ trial_seed }}"}},
+                 f"objective.post_process: {{{{ trial_seed }}}} {NOT_RUN}; pass it with seed_flag, or put it in a "
+                 "rendered template", id="post-process-trial-seed"),
+    pytest.param({"command": "python train.py --out ${trial_dir}/out"},
+                 f"command: ${{trial_dir}} {NOT_RUN}; the command sees it as HPO_TRIAL_DIR, or put it in a rendered "
+                 "template", id="trial-dir"),
+])
+def test_a_placeholder_in_the_command_or_env_is_an_input_error(tmp_path: Path, write_scenario: WriteScenario,
+                                                               overrides: dict[str, Any], said: str) -> None:
+    """``command: python train.py lr=${lr}`` passed hpo validate, and every trial ran the script
+    with the text ``${lr}`` (Hydra even resolved it as its own interpolation): one configuration."""
+    with pytest.raises(InputError) as raised:
+        _renderer(tmp_path, write_scenario, {"train.py.j2": "x = {{ x }}\n"}, **overrides)
+    assert str(raised.value) == said
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param({"command": "python train.py --home ${HOME} --name {{ name }}"}, id="names-templates-do-not-see"),
+    pytest.param({"syntax": "dollar", "command": "python train.py x=$${x}"}, id="escaped"),
+    pytest.param({"command": "python train.py --dir ${data_dir}"}, id="data-dir-unset"),
+    pytest.param({"command": ["python", "train.py", '{"x": {"depth": 2}}'], "env": {"X": "x}}"}},
+                 id="json-braces"),
+    pytest.param({"command": "python train.py", "flags": True}, id="flags"),
+])
+def test_command_and_env_text_of_no_templated_name_is_left_alone(tmp_path: Path, write_scenario: WriteScenario,
+                                                                 overrides: dict[str, Any]) -> None:
+    renderer = _renderer(tmp_path, write_scenario, {"train.py.j2": "x = 1\n"}, **overrides)
+    assert renderer.names == ("train.py",)
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_validate_and_run_refuse_a_placeholder_in_the_command(tmp_path: Path, write_scenario: WriteScenario,
+                                                              run_cli: RunCli, command: str) -> None:
+    path = write_scenario(tmp_path, command="python train.py x={{ x }}")
+    done = run_cli(command, path, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == f"error: command: {{{{ x }}}} {NOT_RUN}; {FLAG_HINT}\n"
+    assert not list(tmp_path.glob("**/trial-*"))
+
+
+def test_a_linked_folder_of_a_template_folder_is_linked(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A symbolic link to a folder (``data -> ../datasets/digits``) was left out of every trial
+    folder, and every trial failed to read its data; it is linked, not copied into each trial."""
+    digits = tmp_path / "datasets" / "digits"
+    digits.mkdir(parents=True)
+    (digits / "train.csv").write_text("1,2\n")
+    (digits / "raw.j2").write_text("{{ not rendered }}")
+    project = tmp_path / "sc" / "project"
+    project.mkdir(parents=True)
+    (project / "train.py.j2").write_text("x = {{ x }}\n")
+    (project / "data").symlink_to(Path("..", "..", "datasets", "digits"))
+    (project / "notes.txt").symlink_to(digits / "train.csv")
+    path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py")
+    renderer = Renderer(load_scenario(path))
+    assert renderer.names == ("project/data", "project/notes.txt", "project/train.py")
+    folder = tmp_path / "work" / "trial-0000"
+    files = renderer.files(0, folder, {"x": 0.5, "opt": "a"}, ["python", "project/train.py"])
+    write_files(folder, files)
+    write_files(folder, files)  # again, as after a full disk stopped the first try
+    data = folder / "project" / "data"
+    assert data.is_symlink() and data.readlink() == digits.resolve()
+    assert (data / "train.csv").read_text() == "1,2\n"
+    assert (data / "raw.j2").read_text() == "{{ not rendered }}"
+    assert not (folder / "project" / "notes.txt").is_symlink()
+    assert (folder / "project" / "notes.txt").read_text() == "1,2\n"
+
+
+@pytest.mark.parametrize(("make", "problem"), [
+    pytest.param(lambda link: link.symlink_to("gone"), "links to gone, which is not found", id="dangling"),
+    pytest.param(lambda link: (link.symlink_to("loop2"), link.with_name("loop2").symlink_to(link.name)),
+                 "is a link loop", id="loop"),
+    pytest.param(lambda link: link.symlink_to(".."), "links to {sc}, a folder that holds it", id="to-its-own-folder"),
+])
+def test_a_link_that_leads_nowhere_or_back_is_an_input_error(tmp_path: Path, write_scenario: WriteScenario,
+                                                             make: Callable[[Path], Any], problem: str) -> None:
+    project = tmp_path / "sc" / "project"
+    project.mkdir(parents=True)
+    (project / "train.py").write_text("print(1)\n")
+    make(project / "data")
+    path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py")
+    with pytest.raises(InputError) as raised:
+        Renderer(load_scenario(path))
+    sc = (tmp_path / "sc").resolve()
+    assert str(raised.value) == f"template: {sc / 'project' / 'data'} {problem.format(sc=sc)}"
+
+
+def test_jinja_templates_include_import_and_extend_the_files_of_their_folder(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """``{% include "common.py.j2" %}`` failed with "no loader for this environment specified"."""
+    tpl = tmp_path / "tpl"
+    (tpl / "nets").mkdir(parents=True)
+    (tpl / "common.inc").write_text("# x is {{ x }}\n")
+    (tpl / "macros.inc").write_text("{% macro width(n) %}{{ n * 2 }}{% endmacro %}")
+    (tpl / "main.py.j2").write_text('{% include "common.inc" %}{% import "macros.inc" as m %}W = {{ m.width(3) }}\n')
+    (tpl / "nets" / "base.inc").write_text("{% block body %}{% endblock %}# end\n")
+    (tpl / "nets" / "net.py.j2").write_text('{% extends "base.inc" %}{% block body %}{% include "common.inc" %}'
+                                            '{% endblock %}')
+    (tmp_path / "beside.inc").write_text("opt = '{{ opt }}'\n")
+    (tmp_path / "train.py.j2").write_text('{% include "beside.inc" %}')
+    path = write_scenario(tmp_path, template=["tpl", "train.py.j2"], template_text=None, command="python train.py")
+    texts = Renderer(load_scenario(path)).render_texts(0, tmp_path / "t", {"x": 0.5, "opt": "adam"})
+    assert texts == {"tpl/main.py": "# x is 0.5\nW = 6\n", "tpl/nets/net.py": "# x is 0.5\n# end\n",
+                     "train.py": "opt = 'adam'\n"}
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('x = {{ x }}\n{% include "nope.inc" %}', "template main.py.j2 line 2: nope.inc not found in {tpl}"),
+    ('{% include "common.inc" %}', "template main.py.j2 line 1, common.inc line 2: 'depth' is undefined"),
+    ('{% include "bad.inc" %}', "template main.py.j2 line 1, bad.inc line 1: unexpected '}'"),
+])
+def test_an_included_file_that_is_missing_or_fails_is_named(tmp_path: Path, write_scenario: WriteScenario,
+                                                            text: str, said: str) -> None:
+    tpl = tmp_path / "tpl"
+    tpl.mkdir()
+    (tpl / "main.py.j2").write_text(text)
+    (tpl / "common.inc").write_text("a = 1\nb = {{ depth }}\n")
+    (tpl / "bad.inc").write_text("{{ x } }\n")
+    path = write_scenario(tmp_path, template=["tpl"], template_text=None, command="python tpl/main.py")
+    renderer = Renderer(load_scenario(path))
+    with pytest.raises(InputError) as raised:
+        renderer.render_texts(0, tmp_path / "t", {"x": 0.5, "opt": "a"})
+    assert str(raised.value) == said.replace("{tpl}", str(tpl))
