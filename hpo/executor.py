@@ -43,7 +43,15 @@ from hpo.files import replacing
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, TrialFile, folder_writes, write_files
-from hpo.results import SMAC_OK_STATUSES, MetricParser, Metrics, StepError, last_error_line, out_of_gpu_memory
+from hpo.results import (
+    SMAC_OK_STATUSES,
+    MetricParser,
+    Metrics,
+    StepError,
+    last_error_line,
+    never_reported,
+    out_of_gpu_memory,
+)
 from hpo.scenario import Objective
 
 TAIL_LINES = 200
@@ -323,7 +331,7 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     if metric not in metrics.final:
         if metric in metrics.invalid:
             return ended(Outcome.FAIL, f"{metric} is not a number: {metrics.invalid[metric]}")
-        cause = f"out of GPU memory: {oom}" if oom is not None else f"{metric} was never reported"
+        cause = f"out of GPU memory: {oom}" if oom is not None else never_reported(metric, metrics)
         return ended(Outcome.FAIL, cause if oom is not None else _with_line(cause, tail))
     value = metrics.final[metric]
     if not math.isfinite(value):

@@ -11,6 +11,8 @@ A trial reports metrics by printing lines to stdout. Four formats are understood
 
 Progress output that precedes a metric on its line is skipped: a line is read from its last
 carriage return on, past a leading tqdm-style bar (``epochs:  67%|██▋ | 2/3 [00:01<00:00]x=1``).
+ANSI escape codes (colours) are removed from every line before it is read. A value is a number
+as Python's ``float`` reads it, but for digit separators: ``0_25`` is not a number.
 
 A line whose metrics include ``step`` is an intermediate report (one per epoch, say) that a
 pruner may act on; any other line reports final values, and the last value of a key wins. A
@@ -27,6 +29,9 @@ the current step: each objective value after it, a match of the objective's patt
 line in a built-in format without ``step``, is also an intermediate value at that step. A
 step match that is not a step as above is refused the same way and leaves no current step
 until the next step match.
+
+Where the objective metric has no pattern, the first line that gives it a value in a form not
+read (``{'val_error': 0.25}``, ``INFO val_error=0.25``) is kept: :func:`never_reported` quotes it.
 
 :func:`last_error_line` and :func:`out_of_gpu_memory` read a failed trial's last output
 lines for the line that says why it failed.
@@ -55,11 +60,14 @@ RESERVED_ATTRS = frozenset({"outcome", "reason", "duration_s", "folder", "worker
 LARGEST_STEP = 2**31 - 1
 """The largest step a report may carry (Optuna's SQL storages keep a step in a 32-bit integer)."""
 ERROR_LINE_CHARS = 200
+UNREAD_LINE_CHARS = 80
+"""How much of a line that named the objective in a form not read :func:`never_reported` quotes."""
 _NAME_CHAR = r"[\w.\-/]"
 # A name begins where no name character precedes it, and a tab pair's name ends in a name
 # character: either way one split of the line is tried, so both take linear time.
 _PAIRS = re.compile(rf"(?<!{_NAME_CHAR})([A-Za-z_]{_NAME_CHAR}*)\s*=\s*(\S+)")
 _TAB_PAIR = re.compile(rf"^([A-Za-z_](?:[\w.\-/ ]*{_NAME_CHAR})?)[ ]*\t[\t ]*(\S+)$")
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # an ANSI control sequence: a colour, a cursor move
 _PROGRESS_BAR = re.compile(  # tqdm's "desc:  67%|██▋ | 2/3 [00:01<00:00, 1.9it/s]"
     r"^[^|]*\d%\|[^|]*\|\s*\d[\w.]*/\d[\w.]*(?:\s*\[[^\]]*\])?")
 
@@ -69,7 +77,9 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
 
     Call with ``step`` for a per-epoch (intermediate) report and without it for the final
     values. Only the process of global rank 0 prints, so DDP scripts may call it on every
-    rank. Values must be numbers; the line is flushed at once so the sweep sees it live.
+    rank. Values must be numbers. The line is written in one call (a pipe takes up to 4 KiB
+    in one piece, so other processes' output sharing it cannot land inside the line) and
+    flushed at once so the sweep sees it live.
     A step that is not a whole number is printed as it is, and the parser refuses the line.
 
     Args:
@@ -84,7 +94,9 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     if step is not None:
         payload[STEP_KEY] = int(step) if float(step).is_integer() else float(step)
     payload.update({name: float(value) for name, value in metrics.items()})
-    print(json.dumps(payload), file=file or sys.stdout, flush=True)
+    out = file or sys.stdout
+    out.write(json.dumps(payload) + "\n")
+    out.flush()
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,8 @@ class Metrics:
 
     ``final`` holds the last final value of each metric, or its last intermediate value if it
     had no final report; ``intermediate`` the per-step reports in order; ``invalid`` the
-    metrics whose last such report was not a number (as printed).
+    metrics whose last such report was not a number (as printed); ``unread`` the first line
+    that gave the objective metric a value in a form not read, by metric (see the module docstring).
     """
 
     final: Mapping[str, float] = field(default_factory=dict)
@@ -110,6 +123,7 @@ class Metrics:
     invalid: Mapping[str, str] = field(default_factory=dict)
     smac_status: str | None = None
     smac_extra: str = ""
+    unread: Mapping[str, str] = field(default_factory=dict)
 
 
 _Parsed = tuple[dict[str, float], dict[str, str]]
@@ -117,6 +131,12 @@ _Parsed = tuple[dict[str, float], dict[str, str]]
 
 class StepError(ValueError):
     """An output line's step is not a whole number from 0 to :data:`LARGEST_STEP`; the line was ignored."""
+
+
+def _shown(value: float) -> str:
+    """``value`` as a note prints it: a whole number as an integer (``2147483648``), any other
+    (or a whole number of 17 digits or more) in its shortest exact form (``1.5``, ``1e+20``)."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
 
 
 def _whole_step(value: float | None, shown: str, where: str) -> int:
@@ -128,8 +148,12 @@ def _whole_step(value: float | None, shown: str, where: str) -> int:
 
 
 def _number(text: str) -> float | None:
+    """``text`` (a trailing ``,`` or ``;`` aside) as a number, or None; ``0_25`` is no number."""
+    text = text.strip().rstrip(",;")
+    if "_" in text:
+        return None
     try:
-        return float(text.strip().rstrip(",;"))
+        return float(text)
     except ValueError:
         return None
 
@@ -239,6 +263,10 @@ class MetricParser:
                  step_pattern: str | None = None) -> None:
         self._quality_name = quality_name
         self._patterns = {name: re.compile(pattern) for name, pattern in (patterns or {}).items()}
+        # the objective named with a value ("val_error: 0.25", "'val_error': 0.25"), unless a pattern reads it
+        self._quality_named = None if quality_name in self._patterns else re.compile(
+            rf"(?<!{_NAME_CHAR}){re.escape(quality_name)}['\"]?\s*(?:[:=]\s*\S|\s+[-+]?\.?\d)")
+        self._unread: dict[str, str] = {}
         self._step_pattern = re.compile(step_pattern) if step_pattern else None
         self._step: int | None = None
         self._final: dict[str, float] = {}
@@ -261,7 +289,7 @@ class MetricParser:
                 whole number from 0 to :data:`LARGEST_STEP`; the line is ignored, and a refused step
                 match leaves no current step.
         """
-        text = line.strip()
+        text = (_ANSI.sub("", line) if "\x1b" in line else line).strip()
         if not text:
             return None
         self._match_step(text)
@@ -277,11 +305,13 @@ class MetricParser:
         matched, unmatched = self._match_patterns(text)
         values.update(matched)
         invalid.update(unmatched)
+        if self._quality_name not in values and self._quality_name not in invalid:
+            self._note_unread(shown)
         if not values and not invalid:
             return None
         if STEP_KEY in values or STEP_KEY in invalid:
             reported = values.pop(STEP_KEY, None)
-            step = _whole_step(reported, invalid.pop(STEP_KEY) if reported is None else f"{reported:g}", STEP_KEY)
+            step = _whole_step(reported, invalid.pop(STEP_KEY) if reported is None else _shown(reported), STEP_KEY)
             self._intermediate.append((step, dict(values)))
             _record(self._last_step, self._last_step_invalid, values, invalid)
             return MetricLine(values=values, step=step)
@@ -303,6 +333,12 @@ class MetricParser:
             self._step = None
             raise
 
+    def _note_unread(self, shown: str) -> None:
+        """Keep ``shown`` if it is the first line to give the objective a value in a form not read."""
+        if (self._quality_named is not None and not self._unread and self._quality_name in shown
+                and self._quality_named.search(shown)):
+            self._unread[self._quality_name] = _short(shown, UNREAD_LINE_CHARS)
+
     def _match_patterns(self, text: str) -> _Parsed:
         found = []
         for name, pattern in self._patterns.items():
@@ -323,7 +359,21 @@ class MetricParser:
             invalid=invalid,
             smac_status=self._smac_status,
             smac_extra=self._smac_extra,
+            unread=dict(self._unread),
         )
+
+
+def never_reported(metric: str, metrics: Metrics) -> str:
+    """Why a trial that exited 0 has no ``metric``: ``{metric} was never reported``, and where a
+    line gave it a value in a form not read, that line (cut short) and the forms that are read."""
+    reason = f"{metric} was never reported"
+    if metric not in metrics.unread:
+        return reason
+    read = json.dumps({metric: 0.25})
+    if _PAIRS.fullmatch(f"{metric}=0.25"):
+        read = f"{metric}=0.25 or {read},"
+    return (f'{reason}; a line names it in a form hpo does not read: "{metrics.unread[metric]}" '
+            f"(hpo reads {read} alone on a line)")
 
 
 def parse_text(text: str, quality_name: str, patterns: Mapping[str, str] | None = None,
@@ -342,7 +392,6 @@ def parse_text(text: str, quality_name: str, patterns: Mapping[str, str] | None 
     return parser.metrics()
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s+File "[^"]*", line \d+')
 _TRACEBACK = "Traceback (most recent call last):"
@@ -479,9 +528,10 @@ def _last_plain_line(lines: Sequence[tuple[int | None, str]]) -> str:
     return ""
 
 
-def _short(text: str) -> str:
+def _short(text: str, limit: int = ERROR_LINE_CHARS) -> str:
+    """``text`` on one line, its runs of white space made one space, cut to ``limit`` characters."""
     text = " ".join(text.split())
-    return text if len(text) <= ERROR_LINE_CHARS else text[:ERROR_LINE_CHARS - 1] + "…"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def last_error_line(lines: Sequence[str], *, or_last_line: bool = False) -> str:

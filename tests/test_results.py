@@ -21,6 +21,7 @@ from hpo.results import (
     Metrics,
     StepError,
     last_error_line,
+    never_reported,
     out_of_gpu_memory,
     parse_smac_line,
     parse_text,
@@ -64,6 +65,12 @@ FORMAT_CASES = [
     pytest.param("Result of this algorithm run: TIMEOUT, 600, 0, 1e9, 1", {"runtime": 600.0, "val_error": 1e9},
                  None, "TIMEOUT", id="smac-timeout"),
     pytest.param("Result of this algorithm run: TIMEOUT", {}, None, "TIMEOUT", id="smac-status-only"),
+    pytest.param("\x1b[1mval_error=0.125\x1b[0m", {"val_error": 0.125}, None, None, id="ansi-bold-pair"),
+    pytest.param('\x1b[32m{"val_error": 0.125}\x1b[0m', {"val_error": 0.125}, None, None, id="ansi-green-json"),
+    pytest.param('\x1b[2m{"step": 2, "val_error": 0.5}\x1b[0m', {"val_error": 0.5}, 2, None, id="ansi-json-step"),
+    pytest.param("\x1b[36mval_error\x1b[0m=\x1b[1;33m0.125\x1b[0m \x1b[38;5;208mtest_error=0.25\x1b[m",
+                 {"val_error": 0.125, "test_error": 0.25}, None, None, id="ansi-each-part"),
+    pytest.param("\x1b[2K\x1b[1Gval_error\t0.125", {"val_error": 0.125}, None, None, id="ansi-line-cleared-tab"),
 ]
 
 ORDINARY_LINES = [
@@ -111,7 +118,8 @@ def test_each_format_is_parsed(line: str, values: dict[str, float], step: int | 
 def test_ordinary_log_lines_are_ignored(line: str) -> None:
     parser = MetricParser("val_error")
     assert parser.feed(line) is None
-    assert parser.metrics() == Metrics()
+    metrics = parser.metrics()
+    assert (metrics.final, metrics.intermediate, metrics.invalid, metrics.smac_status) == ({}, (), {}, None)
 
 
 def test_smac_quality_goes_to_the_named_metric() -> None:
@@ -175,6 +183,10 @@ NON_NUMBER_CASES = [
     pytest.param(["val_error=abc", "val_error=0.2"], {"val_error": 0.2}, {}, id="text-then-a-number"),
     pytest.param(["val_error=0.2", "val_error=abc"], {}, {"val_error": "abc"}, id="text-after-a-number"),
     pytest.param(["val_error=0.2", '{"val_error": [1]}'], {}, {"val_error": "[1]"}, id="text-json-list-after-a-number"),
+    pytest.param(["val_error=0_25"], {}, {"val_error": "0_25"}, id="text-digit-separator"),
+    pytest.param(["val_error\t1_000.5"], {}, {"val_error": "1_000.5"}, id="text-tab-digit-separator"),
+    pytest.param(["val_error=0.25 test_error=2_5"], {"val_error": 0.25}, {"test_error": "2_5"},
+                 id="text-digit-separator-beside-a-number"),
 ]
 
 
@@ -312,6 +324,32 @@ def test_report_round_trips_nan(monkeypatch: pytest.MonkeyPatch) -> None:
     out = io.StringIO()
     report(file=out, val_error=NAN)
     assert math.isnan(parse_text(out.getvalue(), "val_error").final["val_error"])
+
+
+class _RawWrites(io.RawIOBase):
+    """An unbuffered file that records each write it gets, as a pipe sees them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_report_writes_each_line_in_one_call_under_unbuffered_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As stdout is under ``PYTHONUNBUFFERED=1`` (every trial's setting): a line written in two calls lets
+    another rank's output, sharing the pipe, land between its text and its newline, and the metric is lost."""
+    monkeypatch.delenv("RANK", raising=False)
+    raw = _RawWrites()
+    stdout = io.TextIOWrapper(raw, write_through=True)
+    report(step=1, file=stdout, val_error=0.5)
+    report(file=stdout, val_error=0.25, test_error=0.125)
+    assert raw.writes == [b'{"step": 1, "val_error": 0.5}\n', b'{"val_error": 0.25, "test_error": 0.125}\n']
+
 
 
 def test_report_prints_to_stdout(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -856,6 +894,14 @@ def test_a_long_log_keeps_its_error_in_the_last_lines() -> None:
     assert last_error_line(lines[-200:]) == "RuntimeError: no data set at /data/digits.npz: run prepare.py first"
 
 
+def test_patterns_and_the_step_pattern_read_coloured_output() -> None:
+    coloured = MNIST_OUTPUT.replace("Train Epoch:", "\x1b[1mTrain Epoch:\x1b[0m").replace(
+        "Average loss: ", "Average loss: \x1b[32m").replace(", Accuracy", "\x1b[0m, Accuracy")
+    metrics = parse_text(coloured, "test_loss", MNIST_PATTERNS, MNIST_STEP)
+    assert metrics == parse_text(MNIST_OUTPUT, "test_loss", MNIST_PATTERNS, MNIST_STEP)
+    assert metrics.final == {"test_loss": 0.0341, "correct": 9886.0}
+
+
 def test_colours_and_rank_prefixes_are_removed() -> None:
     lines = ["[default1]:\x1b[31mTraceback (most recent call last):\x1b[0m", '[default1]:  File "t.py", line 3, in <module>',
              "[default1]:    f()", "[default1]:\x1b[1mKeyError: 'lr'\x1b[0m"]
@@ -941,6 +987,10 @@ def test_built_in_objective_lines_after_a_step_match_are_intermediate_values() -
     pytest.param("step=1.5 val_error=0.4", "1.5", id="pairs"),
     pytest.param('{"step": -1, "val_error": 0.4}', "-1", id="negative"),
     pytest.param('{"step": 1e20, "val_error": 0.4}', "1e+20", id="beyond-storage"),
+    pytest.param('{"step": 2147483648, "val_error": 0.4}', "2147483648", id="one-beyond-storage"),
+    pytest.param("step=4294967296.0 val_error=0.4", "4294967296", id="whole-float-beyond-storage"),
+    pytest.param('{"step": 3.0000000000000004, "val_error": 0.4}', "3.0000000000000004", id="next-to-whole"),
+    pytest.param("step=1_0 val_error=0.4", "1_0", id="digit-separator"),
     pytest.param('{"step": NaN, "val_error": 0.4}', "nan", id="nan"),
     pytest.param('{"step": "2", "val_error": 0.4}', '"2"', id="text"),
     pytest.param('{"step": true, "val_error": 0.4}', "true", id="bool"),
@@ -980,3 +1030,51 @@ def test_report_prints_a_step_as_given() -> None:
     report(step=2.0, file=out, val_error=0.5)
     report(step=1.5, file=out, val_error=0.4)
     assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}', '{"step": 1.5, "val_error": 0.4}']
+
+
+# line -> the line as the reason quotes it: the objective named with a value in a form hpo does not read
+UNREAD_CASES = [
+    pytest.param("{'val_error': 0.25}", "{'val_error': 0.25}", id="python-dict-repr"),
+    pytest.param("2026-01-01 12:00:00,001 INFO val_error=0.125", "2026-01-01 12:00:00,001 INFO val_error=0.125",
+                 id="logging-prefix"),
+    pytest.param("INFO: val_error=0.25", "INFO: val_error=0.25", id="level-prefix"),
+    pytest.param("Epoch 3: val_error: 0.25", "Epoch 3: val_error: 0.25", id="colon"),
+    pytest.param("Training: val_error 0.3", "Training: val_error 0.3", id="space"),
+    pytest.param('{"eval": {"val_error": 0.2}}', '{"eval": {"val_error": 0.2}}', id="nested-json"),
+    pytest.param("\x1b[2mINFO\x1b[0m val_error=tensor(0.25)", "INFO val_error=tensor(0.25)", id="coloured-tensor"),
+    pytest.param("INFO " + "x" * 100 + " val_error=0.1", "INFO " + "x" * 74 + "…", id="cut-short"),
+]
+
+
+@pytest.mark.parametrize(("line", "quoted"), UNREAD_CASES)
+def test_a_missing_objective_quotes_a_line_that_named_it_in_a_form_not_read(line: str, quoted: str) -> None:
+    metrics = parse_text(f"starting\n{line}\nval_error\n{{'val_error': 0.5}}\ntest_error=0.3\n", "val_error")
+    assert metrics.final == {"test_error": 0.3}
+    assert metrics.unread == {"val_error": quoted}
+    assert never_reported("val_error", metrics) == (
+        f'val_error was never reported; a line names it in a form hpo does not read: "{quoted}" '
+        '(hpo reads val_error=0.25 or {"val_error": 0.25}, alone on a line)')
+
+
+def test_a_missing_objective_whose_name_is_no_key_is_shown_in_json() -> None:
+    metrics = parse_text("INFO Lift coefficient: 0.125", "Lift coefficient")
+    assert never_reported("Lift coefficient", metrics) == (
+        'Lift coefficient was never reported; a line names it in a form hpo does not read: '
+        '"INFO Lift coefficient: 0.125" (hpo reads {"Lift coefficient": 0.25} alone on a line)')
+
+
+@pytest.mark.parametrize(
+    ("text", "patterns"),
+    [
+        pytest.param("val_error improved\nbest_val_error=0.1 so far\nval_error_ema: 0.2\n\"val_error\"\nval_error:",
+                     None, id="no-value-or-another-name"),
+        pytest.param("val_error=0.3\rEpoch 1 done", None, id="before-a-carriage-return"),
+        pytest.param("INFO val_error=0.125", {"val_error": r"^val_error (\S+)$"}, id="the-objective-has-a-pattern"),
+        pytest.param('{"step": -1, "val_error": 0.4}\nval_error=n/a', None, id="read-but-refused-or-not-a-number"),
+    ],
+)
+def test_a_missing_objective_is_plainly_never_reported_without_such_a_line(text: str,
+                                                                          patterns: dict[str, str] | None) -> None:
+    metrics = parse_text(text, "val_error", patterns)
+    assert metrics.unread == {}
+    assert never_reported("val_error", metrics) == "val_error was never reported"
