@@ -3,7 +3,11 @@
 A running trial is stale when its worker is gone: the worker is this very process but no
 slot of it runs the trial (a claim half made before a crash), the worker's process no
 longer exists on this host, or the trial's heartbeat (beaten by its worker's watchdog)
-stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
+stopped for ``STALE_AFTER_BEATS`` intervals. A beat is its worker's wall-clock time: a beat
+of this host is judged by this host's clock, but one of another machine, whose clock may
+run behind or ahead, by how long this process has watched it stand still (:class:`BeatWatch`),
+so a worker started on one machine judges another's trial lost only after watching it for
+that long. What happens to a stale trial:
 
 * its leftover processes on this host are killed;
 * a result its folder holds (``result.json``: the store was down when it ended) is recorded;
@@ -17,8 +21,9 @@ stopped for ``STALE_AFTER_BEATS`` intervals. What happens to a stale trial:
 """
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +63,36 @@ class Recovered:
     why: str
     result: TrialResult | None
     again_as: int | None
+
+
+class BeatWatch:
+    """How long this process has seen each trial's heartbeat stand still, on its own monotonic
+    clock: a trial first seen now has been silent for 0 s, whatever its beat says.
+
+    Args:
+        clock: the monotonic clock (``time.monotonic``).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seen: dict[tuple[str, int], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def silent_s(self, trial: FrozenTrial, beat: float) -> float:
+        """Seconds since this process first saw ``trial`` (its run, by token) beat ``beat``."""
+        run = run_info(trial)
+        key = (str(run.get("token") or run.get("worker", "")), trial.number)
+        now = self._clock()
+        with self._lock:
+            last, since = self._seen.get(key, (None, now))
+            if last != beat:
+                since = now
+            self._seen[key] = (beat, since)
+        return now - since
+
+
+BEATS = BeatWatch()
+"""The heartbeats that this process has watched (:func:`gone_why`)."""
 
 
 def run_info(trial: FrozenTrial) -> dict[str, object]:
@@ -105,7 +140,7 @@ def gone_why(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: 
         beat = trial.datetime_start.timestamp()
     if beat is None:
         return "it never beat"
-    silent = now - float(beat)
+    silent = now - float(beat) if host == HOST else BEATS.silent_s(trial, float(beat))
     return f"no heartbeat for {silent:.1f} s" if silent > STALE_AFTER_BEATS * heartbeat_s else None
 
 

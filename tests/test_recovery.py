@@ -13,10 +13,10 @@ import sqlalchemy
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from hpo import designs
+from hpo import designs, recovery
 from hpo.executor import save_result
 from hpo.outcome import Outcome, TrialResult
-from hpo.recovery import STALE_AFTER_BEATS, Recovered, gone_why, is_stale, judges_beats, recover_stale
+from hpo.recovery import STALE_AFTER_BEATS, BeatWatch, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
 from hpo.scheduler import HOST, RUN_AGAIN_LIMIT, Claim, Scheduler, worker_id
 from hpo.storage import MAX_PAUSE_S
@@ -24,6 +24,7 @@ from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
 
 WriteScenario = Callable[..., Path]
 ME = worker_id()
+LIVE = f"{HOST}:1"  # a worker whose process is alive on this host (init), judged by its heartbeat
 
 
 def dead_pid() -> int:
@@ -47,27 +48,51 @@ def frozen(worker: str, beat_age: float | None, number: int = 0) -> object:
     pytest.param("ME", 10_000, {0}, True, False, id="mine-never"),
     pytest.param("ME", 0, set(), True, True, id="my-orphan"),
     pytest.param("DEAD", 0, set(), False, True, id="dead-process-on-this-host"),
-    pytest.param("elsewhere:12", 1, set(), True, False, id="other-host-recent-beat"),
-    pytest.param("elsewhere:12", STALE_AFTER_BEATS + 1, set(), True, True, id="other-host-old-beat"),
-    pytest.param("elsewhere:12", STALE_AFTER_BEATS + 1, set(), False, False, id="not-judged-after-an-outage"),
-    pytest.param("elsewhere:12", None, set(), True, True, id="never-beaten-old-start"),
+    pytest.param("LIVE", 1, set(), True, False, id="live-process-recent-beat"),
+    pytest.param("LIVE", STALE_AFTER_BEATS + 1, set(), True, True, id="live-process-old-beat"),
+    pytest.param("LIVE", STALE_AFTER_BEATS + 1, set(), False, False, id="not-judged-after-an-outage"),
+    pytest.param("LIVE", None, set(), True, True, id="never-beaten-old-start"),
 ])
 def test_is_stale(worker: str, beat_age: float | None, mine: set[int], judge: bool, stale: bool) -> None:
-    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}"}.get(worker, worker)
+    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}", "LIVE": LIVE}[worker]
     assert is_stale(frozen(worker, beat_age), time.time(), 1.0, ME, mine, judge) is stale  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("worker", "beat_age", "mine", "why"), [
     pytest.param("ME", 0, set(), "no slot of this worker runs it", id="my-orphan"),
     pytest.param("DEAD", 0, set(), "its process is gone", id="dead-process-on-this-host"),
-    pytest.param("elsewhere:12", 4.3, set(), "no heartbeat for 4.3 s", id="other-host-old-beat"),
-    pytest.param("elsewhere:12", 1, set(), None, id="other-host-recent-beat"),
+    pytest.param("LIVE", 4.3, set(), "no heartbeat for 4.3 s", id="live-process-old-beat"),
+    pytest.param("LIVE", 1, set(), None, id="live-process-recent-beat"),
 ])
 def test_how_a_worker_was_found_gone_is_said(worker: str, beat_age: float, mine: set[int], why: str | None) -> None:
-    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}"}.get(worker, worker)
+    worker = {"ME": ME, "DEAD": f"{HOST}:{dead_pid()}", "LIVE": LIVE}[worker]
     now = time.time()
     trial = frozen(worker, beat_age)
     assert gone_why(trial, now, 1.0, ME, mine) == why  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("skew", [-35.0, 0.0, 100.0])
+def test_a_beat_of_another_machine_is_judged_by_how_long_it_stood_still_here(
+        monkeypatch: pytest.MonkeyPatch, skew: float) -> None:
+    """A worker on a machine whose clock ran 35 s behind had every trial judged lost seconds
+    after it started (its beats looked 35 s old), and one whose clock runs ahead would never
+    have been: a beat of another machine is timed on this process's clock from when it was seen."""
+    clock = [1000.0]
+    monkeypatch.setattr(recovery, "BEATS", BeatWatch(lambda: clock[0]))
+    trial = frozen("elsewhere:12", -skew)
+
+    def why() -> str | None:
+        return gone_why(trial, time.time(), 1.0, ME, set())  # type: ignore[arg-type]
+
+    assert why() is None
+    clock[0] += STALE_AFTER_BEATS - 0.5
+    assert why() is None
+    trial.system_attrs[SYS_HEARTBEAT] += 1.0  # type: ignore[attr-defined]
+    assert why() is None
+    clock[0] += STALE_AFTER_BEATS - 0.5
+    assert why() is None
+    clock[0] += 1.0
+    assert why() == f"no heartbeat for {STALE_AFTER_BEATS + 0.5:.1f} s"
 
 
 @pytest.mark.parametrize(("healthy_since", "judged"), [
@@ -112,12 +137,12 @@ def recover_all(scheduler: Scheduler, tmp_path: Path) -> list[Recovered]:
 @pytest.mark.parametrize("outage", ["none", "while-reading", "lock-lost"])
 def test_no_heartbeat_is_judged_right_after_an_outage_that_the_recovery_waited_out(
         tmp_path: Path, write_scenario: WriteScenario, monkeypatch: pytest.MonkeyPatch, outage: str) -> None:
-    """A trial whose worker (on another host) could not beat through an outage is not taken
-    for lost when the outage ended while the recovery read the running trials, or when it
-    showed only as a lost ask lock."""
+    """A trial whose worker (alive) could not beat through an outage is not taken for lost when
+    the outage ended while the recovery read the running trials, or when it showed only as a
+    lost ask lock."""
     scheduler = make(tmp_path, write_scenario)
     store = scheduler.store
-    c = claim_as(scheduler, "elsewhere:12", started=True)
+    c = claim_as(scheduler, LIVE, started=True)
     store.set_system(c.number, SYS_HEARTBEAT, time.time() - 10 * STALE_AFTER_BEATS)
     if outage == "while-reading":
         read = store.study.get_trials
