@@ -339,27 +339,30 @@ def optuna_url(url: str) -> str:
 
 LOCK_WAIT_NOTED_S = 10.0  # a wait this long for the file lock is said, with its holder
 LOCK_POLL_S = 0.005  # how often a waiter tries the file lock again
+SERVER_LOCK_POLL_S = 0.05  # how often a waiter tries a server's lock again (a query each time)
 
 
 @contextlib.contextmanager
 def ask_lock(url: str, on_wait: Callable[[str], None] | None = None,
-             give_up: Callable[[], bool] = lambda: False) -> Iterator[Callable[[], bool]]:
-    """Hold the study-wide lock under which the budget is checked and a trial is asked;
-    yields ``held()``, whether the lock is still this process's.
+             give_up: Callable[[], bool] = lambda: False, study: str = "") -> Iterator[Callable[[], bool]]:
+    """Hold the lock of the study named ``study`` under which the budget is checked and a
+    trial is asked; yields ``held()``, whether the lock is still this process's.
 
     SQLite and journal files use a lock file beside them (all processes on the machine; it
-    is never lost), which names the process that holds it; a wait of over
-    :data:`LOCK_WAIT_NOTED_S` is told to ``on_wait`` once, naming that process (and saying
-    so where it is stopped, as SIGSTOP or Ctrl-Z leave it, holding the lock). PostgreSQL and
-    MySQL use a session's advisory lock on the server (all machines): when the server ends
-    that session, in a restart or with its connection, the lock is gone and ``held()`` is
-    False. Not re-entrant: a file lock taken twice in one process waits for itself. A wait
-    for the file lock ends in :class:`StoreUnavailable` once ``give_up()`` (the sweep stops).
+    is never lost, and all the file's studies share it), which names the process that holds
+    it. PostgreSQL and MySQL use a session's advisory lock on the server (all machines), one
+    per database and study, whatever host name the URL gives the server; its session is
+    named after the worker (``application_name``), which the note of a long wait names. When
+    the server ends that session, in a restart or with its connection, the lock is gone and
+    ``held()`` is False. A wait of over :data:`LOCK_WAIT_NOTED_S` is told to ``on_wait`` once,
+    naming who holds the lock (and, on this machine, saying so where that process is stopped,
+    as SIGSTOP or Ctrl-Z leave it). Not re-entrant: a lock taken twice in one process waits
+    for itself. A wait ends in :class:`StoreUnavailable` once ``give_up()`` (the sweep stops).
     """
     with _THREAD_LOCK:
         local = local_path(url)
         if local is None:
-            with _server_lock(url) as held:
+            with _server_lock(url, study, on_wait, give_up) as held:
                 yield held
             return
         lock_path = _lock_path(local)
@@ -438,9 +441,13 @@ def _holder(lock_path: Path) -> str:
         return ""
     if host != HOST:
         return f"{host}:{pid_text}"
+    return _holder_here(int(pid_text))
+
+
+def _holder_here(pid: int) -> str:
+    """``process 12 on this machine``, saying so, and how to resume it, where it is stopped."""
     import psutil  # imported when first needed: most commands never wait
 
-    pid = int(pid_text)
     said = f"process {pid} on this machine"
     try:
         stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
@@ -449,24 +456,41 @@ def _holder(lock_path: Path) -> str:
     return said + (f", which is stopped (SIGSTOP or Ctrl-Z): `kill -CONT {pid}` resumes it" if stopped else "")
 
 
-@contextlib.contextmanager
-def _server_lock(url: str) -> Iterator[Callable[[], bool]]:
+def server_lock_key(url: str, study: str) -> int:
+    """The advisory lock key of ``study``'s ask lock on the server at ``url``: its database and
+    the study's name, whatever host name or user the URL gives."""
     import sqlalchemy
 
-    key = zlib.crc32(url.encode()) & 0x7FFFFFFF
-    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
-    dialect = engine.dialect.name
+    return zlib.crc32(f"{sqlalchemy.engine.make_url(url).database or ''}/{study}".encode()) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def _server_lock(url: str, study: str, on_wait: Callable[[str], None] | None,
+                 give_up: Callable[[], bool]) -> Iterator[Callable[[], bool]]:
+    import sqlalchemy
+
+    key = server_lock_key(url, study)
+    dialect = sqlalchemy.engine.make_url(url).get_dialect().name
+    if dialect not in ("postgresql", "mysql"):
+        raise InputError(f"--storage: {dialect} has no lock that hpo can share; use sqlite, postgresql or mysql")
+    named = {"application_name": f"hpo {HOST}:{os.getpid()}"} if dialect == "postgresql" else {}
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool, connect_args=named)
+    take, release, arg = (("SELECT pg_try_advisory_lock(:k)", "SELECT pg_advisory_unlock(:k)", key)
+                          if dialect == "postgresql" else
+                          ("SELECT GET_LOCK(:k, 0)", "SELECT RELEASE_LOCK(:k)", f"hpo-{key}"))
     try:
         with engine.connect() as conn:
-            if dialect == "postgresql":
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
-                release, arg = "SELECT pg_advisory_unlock(:k)", key
-            elif dialect == "mysql":
-                conn.execute(sqlalchemy.text("SELECT GET_LOCK(:k, 600)"), {"k": str(key)})
-                release, arg = "SELECT RELEASE_LOCK(:k)", str(key)
-            else:
-                raise InputError(f"--storage: {dialect} has no lock that hpo can share; "
-                                 "use sqlite, postgresql or mysql")
+            noted = time.monotonic() + LOCK_WAIT_NOTED_S
+            while not conn.execute(sqlalchemy.text(take), {"k": arg}).scalar():
+                conn.commit()
+                if give_up():
+                    raise StoreUnavailable(f"the sweep is stopping; it waited for the ask lock of study {study} "
+                                           "on the server in vain")
+                if on_wait is not None and time.monotonic() >= noted:
+                    on_wait(f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the ask lock of study {study}, "
+                            f"held by {_server_holder(conn, dialect, key)}; waiting for it")
+                    noted = float("inf")
+                time.sleep(SERVER_LOCK_POLL_S)
             conn.commit()  # the lock is the session's: no transaction stays open while it is held
 
             def held() -> bool:
@@ -485,6 +509,30 @@ def _server_lock(url: str) -> Iterator[Callable[[], bool]]:
                     conn.commit()
     finally:
         engine.dispose()
+
+
+def _server_holder(conn: Any, dialect: str, key: int) -> str:
+    """Who holds the server's ask lock ``key``, in words: the worker its session is named
+    after (``hpo host:pid``) and where it connects from; what the server says where it names none."""
+    import sqlalchemy
+
+    if dialect != "postgresql":
+        return "another session of the server"
+    try:
+        row = conn.execute(sqlalchemy.text(
+            "SELECT a.application_name, a.client_addr, a.pid FROM pg_locks l JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = :k"),
+            {"k": key}).first()
+        conn.commit()
+    except Exception:  # a note, never worth failing the wait for
+        return "another session of the server"
+    if row is None:
+        return "another session of the server (gone since)"
+    name, address, pid = row
+    who = name.removeprefix("hpo ") if name and name.startswith("hpo ") else f"session {pid} ({name or 'unnamed'})"
+    if who.startswith(f"{HOST}:"):
+        return _holder_here(int(who.rpartition(":")[2]))
+    return f"{who}" + (f" from {address}" if address else "")
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:

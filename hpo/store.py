@@ -209,7 +209,7 @@ class StudyStore:
         lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
         claimed under it are appended to ``claimed``."""
         def enter() -> Any:
-            context = ask_lock(self.url, self._on_outage, self.call.gave_up)
+            context = ask_lock(self.url, self._on_outage, self.call.gave_up, self.scenario.name)
             return context, context.__enter__()
 
         context, held = self.call(enter)

@@ -6,12 +6,12 @@ that backend is skipped.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,12 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.errors import InputError
+from hpo import storage
+from hpo.errors import InputError, StoreUnavailable
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Scenario, load_scenario
 from hpo.scheduler import Claim, Scheduler
-from hpo.storage import ask_lock
+from hpo.storage import ask_lock, server_lock_key
 from hpo.store import SYS_STOP, StudyStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,6 +96,68 @@ def test_ask_lock_is_reentrant_across_studies(backend: str, tmp_path: Path) -> N
         pass
 
 
+HOLD_LOCK = """
+import sys, time
+from hpo.storage import ask_lock
+with ask_lock(sys.argv[1], study=sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def lock_holder(tmp_path: Path) -> Iterator[Any]:
+    """Starts a process that holds a study's ask lock on the PostgreSQL server: ``start(url, study)``."""
+    if not POSTGRES:
+        pytest.skip("HPO_TEST_POSTGRES_URL names no PostgreSQL server")
+    started: list[subprocess.Popen[str]] = []
+
+    def start(url: str, study: str) -> subprocess.Popen[str]:
+        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, url, study], env=env, stdout=subprocess.PIPE,
+                                  text=True)
+        started.append(holder)
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        return holder
+
+    yield start
+    for holder in started:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_server_lock_is_one_whatever_the_host_name_and_one_per_study(lock_holder: Any) -> None:
+    """Workers that named the server 127.0.0.1 and localhost took the lock both at once (one
+    crashed: the queued trial was taken while this worker held the ask lock), and a worker of
+    another study in the database waited for it."""
+    assert POSTGRES is not None and "127.0.0.1" in POSTGRES
+    study = f"lock-{uuid.uuid4().hex[:10]}"
+    lock_holder(POSTGRES, study)
+    with ask_lock(POSTGRES.replace("127.0.0.1", "localhost"), study=f"{study}-other"):
+        pass
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable), ask_lock(POSTGRES.replace("127.0.0.1", "localhost"), study=study,
+                                                   give_up=lambda: time.monotonic() - began > 0.5):
+        pass
+
+
+def test_a_long_wait_for_the_server_lock_names_its_holder(lock_holder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped worker of a study held its lock, and the others waited without a word."""
+    monkeypatch.setattr(storage, "LOCK_WAIT_NOTED_S", 0.2)
+    study = f"lock-{uuid.uuid4().hex[:10]}"
+    holder = lock_holder(POSTGRES, study)
+    holder.send_signal(signal.SIGSTOP)
+    notes: list[str] = []
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailable), ask_lock(POSTGRES, notes.append, lambda: time.monotonic() - began > 1.0,
+                                                   study=study):
+        pass
+    holder.send_signal(signal.SIGCONT)
+    assert notes == [(f"this worker has waited 0 s for the ask lock of study {study}, held by process {holder.pid} "
+                      f"on this machine, which is stopped (SIGSTOP or Ctrl-Z): `kill -CONT {holder.pid}` resumes it; "
+                      "waiting for it")]
+
+
 @pytest.mark.parametrize("method", ["monte_carlo", "tpe"])
 def test_two_workers_run_exactly_the_budget(backend: str, tmp_path: Path, method: str) -> None:
     scenario = make_scenario(tmp_path, trials=9, method=method)
@@ -134,13 +197,14 @@ def design_workers(tmp_path: Path) -> tuple[Scheduler, Scheduler]:
     return a, b
 
 
-def end_lock_session(admin: Any) -> None:
-    """End the server session that holds the ask lock, as a server restart does."""
+def end_lock_session(admin: Any, study: str) -> None:
+    """End the server session that holds ``study``'s ask lock, as a server restart does."""
     import sqlalchemy
 
+    assert POSTGRES
     with admin.connect() as conn:
         conn.execute(sqlalchemy.text("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                                     "AND objid = :key AND granted"), {"key": zlib.crc32(POSTGRES.encode()) & 0x7FFFFFFF})
+                                     "AND objid = :key AND granted"), {"key": server_lock_key(POSTGRES, study)})
 
 
 @pytest.mark.parametrize("a_notices", [True, False], ids=["a-call-fails", "a-reconnects-unaware"])
@@ -169,7 +233,7 @@ def test_a_claim_whose_lock_is_lost_in_an_outage_is_done_again(tmp_path: Path, m
         monkeypatch.setattr(storage, "get_all_trials", real_read)
         if claimed_by_b:  # a retry of the call that met the outage
             return real_read(*args, **kwargs)
-        end_lock_session(admin)
+        end_lock_session(admin, a.store.scenario.name)
         claimed_by_b.append(b.store.locked(lambda: b.claim(set())))  # B gets the lock A lost
         if not a_notices:
             return real_read(*args, **kwargs)
@@ -199,7 +263,7 @@ def test_a_design_claim_never_makes_a_trial_when_its_queued_point_is_taken(tmp_p
 
     def set_state(trial_id: int, state: TrialState, values: object = None) -> bool:
         if state == TrialState.RUNNING and not claimed_by_b:
-            end_lock_session(admin)
+            end_lock_session(admin, a.store.scenario.name)
             claimed_by_b.append(b.store.locked(lambda: b.claim(set())))
         return real_set_state(trial_id, state, values)
 
@@ -226,7 +290,7 @@ def test_a_trial_made_before_the_lock_is_found_lost_goes_back_to_the_queue(tmp_p
         created = real_create(*args, **kwargs)
         if not made:
             made.append(created.number)
-            end_lock_session(admin)
+            end_lock_session(admin, scenario.name)
         return created
 
     monkeypatch.setattr(storage, "_create_new_trial", create)
