@@ -400,9 +400,12 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     procs: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int) -> None:
+        """Pass ``signum`` on to every worker, and resume those stopped (SIGSTOP, Ctrl-Z), which
+        could neither end nor say why the sweep waits."""
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
+                proc.send_signal(signal.SIGCONT)
 
     signals = _Signals(forward)
     with signals.installed(), relaying(procs, logs, lambda line: print(line, flush=True)) as relays:

@@ -169,3 +169,17 @@ def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_
     index = said[0][0]
     assert (run.returncode, err) == (1, f"error: worker-{index} was killed by SIGKILL: see {folder}/worker-*.log\n")
     assert_every_point_once(path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_a_sweep_one_of_whose_workers_is_stopped(tmp_path: Path, sig: signal.Signals) -> None:
+    """One worker stopped (kill -STOP, Ctrl-Z on it, a debugger), then Ctrl-C to hpo run: it
+    waited for that worker for as long as it stayed stopped, without a word."""
+    path = write(tmp_path, 2, pause=1.0)
+    run, _, pid = run_two_workers_until_a_trial_runs(path)
+    freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
+    run.send_signal(sig)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], out + err
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not [r for r in rows(path) if r["state"] == "RUNNING"]
