@@ -69,6 +69,7 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
     that one that cannot be is named as such (not as the default store's folder); with
     ``existing_study``, an InputError first if the study does not exist."""
     ctx = _context(args)
+    _check_submit(ctx)
     if existing_study:
         _store(ctx)
     _made_folder(ctx.workdir, _workdir_flag(args))
@@ -76,6 +77,15 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
     if not _started_by_run(args):  # hpo run checked for its workers, which ride out a store down at their start
         _same_study(ctx, _workdir_flag(args), lambda: _study_created(ctx))
     return ctx
+
+
+def _check_submit(ctx: Context) -> None:
+    """InputError where the scenario's batch jobs could not be submitted from here (:func:`hpo.jobqueue.check_submit`)."""
+    cluster = ctx.scenario.resources.cluster
+    if cluster is not None and cluster.kind is not None:
+        from hpo.jobqueue import check_submit
+
+        check_submit(cluster)
 
 
 WORKDIR_OWNER = ".hpo-study"
@@ -856,6 +866,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     scenario = ctx.scenario
+    _check_submit(ctx)
     _workdir_owner(ctx, _workdir_flag(args))
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)

@@ -153,6 +153,21 @@ def make_cluster(spec: Cluster, dashboard: bool = True, log_directory: Path | No
         return cls(**options, scheduler_options={} if dashboard else {"dashboard": False, "dashboard_address": ":0"})
 
 
+def check_submit(spec: Cluster) -> None:
+    """InputError where the command that submits ``spec``'s batch jobs (``sbatch``, ``qsub``,
+    ``bsub``, ``condor_submit``, as dask-jobqueue runs it) is not on this machine's PATH: no
+    job could start, and the sweep would wait for workers that never come."""
+    import shutil
+
+    import dask_jobqueue
+
+    assert spec.kind is not None
+    command = getattr(dask_jobqueue, CLUSTER_CLASSES[spec.kind]).job_cls.submit_command
+    if shutil.which(command) is None:
+        raise InputError(f"resources.cluster.kind: {spec.kind} jobs are submitted with {command}, which is not on "
+                         f"PATH here; run hpo where {command} works (a login node of the cluster)")
+
+
 def job_script(spec: Cluster, log_directory: Path | None = None) -> str:
     """The job script hpo would submit for ``spec``, as dask-jobqueue writes it, but with
     :data:`SCHEDULER_PLACEHOLDER` for the address of the scheduler that ``hpo run`` starts,

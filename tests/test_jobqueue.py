@@ -1,6 +1,7 @@
 """The job script that ``hpo validate`` prints for batch-job clusters: built without a scheduler, writing nothing."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -48,9 +49,39 @@ def test_validate_of_a_cluster_scenario_writes_nothing(tmp_path: Path, write_sce
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    done = subprocess.run([sys.executable, "-m", "hpo", "validate", str(path)], env={**cli_env(), "TMPDIR": str(temporary)},
+    env = {**cli_env(), "TMPDIR": str(temporary), "PATH": f"{on_path(tmp_path / 'bin', 'sbatch')}:{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-m", "hpo", "validate", str(path)], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --gres=gpu:2" in done.stdout and SCHEDULER_PLACEHOLDER in done.stdout
     assert list(temporary.iterdir()) == []
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p != temporary) == before
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p != temporary and "bin" not in p.parts) \
+        == before
+
+
+def on_path(folder: Path, name: str) -> Path:
+    """``folder`` with an executable ``name`` in it (it is never run: validate looks it up only)."""
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text("#!/bin/sh\nexit 1\n")
+    (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize(("kind", "extra", "command"), [("slurm", {}, "sbatch"), ("lsf", {}, "bsub"),
+                                                        ("htcondor", {"disk": "1GB"}, "condor_submit")])
+@pytest.mark.parametrize("hpo_command", ["validate", "run"])
+def test_batch_jobs_that_cannot_be_submitted_from_here_are_bad_input(
+        tmp_path: Path, write_scenario: WriteScenario, kind: str, extra: dict[str, Any], command: str,
+        hpo_command: str) -> None:
+    """Without sbatch, validate said ok, and run made the study, queued 16 trials and wrote their
+    folders, then exited 1 advising to run the same command again (which failed the same way)."""
+    cluster: dict[str, Any] = {"kind": kind, "jobs": 2, "cores": 1, "memory": "1GB", **extra}
+    path = write_scenario(tmp_path / "s", resources={"cluster": cluster})
+    python_only = Path(sys.executable).parent
+    done = subprocess.run([sys.executable, "-m", "hpo", hpo_command, str(path)],
+                          env={**cli_env(), "PATH": str(python_only)}, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"error: resources.cluster.kind: {kind} jobs are submitted with {command}, which is not "
+                           f"on PATH here; run hpo where {command} works (a login node of the cluster)\n")
+    assert not (tmp_path / "s" / "runs").exists()
