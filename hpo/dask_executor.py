@@ -1032,6 +1032,8 @@ class DaskExecutor:
             if self._stopping:
                 self._forget_event(_stopping_event(self.options.topic))
         self.client.close()
+        if self._owned:  # a scheduler of its own, closing: distributed logs its cancelled waits and closed comms
+            logging.getLogger("distributed").setLevel(logging.CRITICAL)  # with tracebacks, as errors
         for thing in self._owned:
             thing.close()
 
