@@ -777,6 +777,8 @@ class DaskExecutor:
         self._any_submitted = any_submitted
         self._failures_told = 0
         self.broken: str | None = None
+        self._auto_slots: int | None = None  # slots planned from the workers connected then (parallel: auto)
+        self._told_capacity = 0
         self._full = _FullWorkers(say)
         self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
         self._subscribe()
@@ -796,6 +798,7 @@ class DaskExecutor:
         if parallel is None and "parallel" in self._resources.model_fields_set:
             parallel = self._resources.parallel if isinstance(self._resources.parallel, int) else None
         count = max(at_least, parallel if parallel is not None else self.capacity())
+        self._auto_slots = count if parallel is None and self._capacity is None else None
         return tuple(Slot(i, (), self.demand.processes, 1, self.demand.share) for i in range(count))
 
     def describe(self, slots: Sequence[Slot]) -> str:
@@ -820,6 +823,8 @@ class DaskExecutor:
         self._failures_told = len(failures)
         restricted = self.options.restricted
         infos = list(workers.values())
+        self._tell_unused(sum(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted)
+                              for info in infos))
         if any(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted) for info in infos):
             self._told_waiting = None
             return
@@ -832,6 +837,17 @@ class DaskExecutor:
         elif waiting and self._told_waiting != kind:
             self._told_waiting = kind
             self._tell_waiting(waiting, infos)
+
+    def _tell_unused(self, takes: int) -> None:
+        """Say, once for each new high, that the workers connected now take ``takes`` trials at
+        once, more than the slots planned from those connected when the sweep started."""
+        if self._auto_slots is None or takes <= max(self._auto_slots, self._told_capacity):
+            return
+        self._told_capacity = takes
+        self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once; this sweep runs "
+                  f"{plural(self._auto_slots, 'slot')}, planned from the workers connected when it started "
+                  f"(resources.parallel: auto); `hpo worker SCENARIO --cluster {self.address}` joins it with slots "
+                  "of its own, and resources.parallel plans that many slots next time")
 
     def _tell_waiting(self, waiting: int, infos: Sequence[Mapping[str, Any]]) -> None:
         """Say that ``waiting`` trials wait in Dask's queue: no worker is connected, or none of

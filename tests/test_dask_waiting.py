@@ -200,3 +200,25 @@ def test_a_scheduler_that_goes_away_while_the_sweep_waits_for_its_first_worker_i
 def test_the_resources_a_hint_names_are_one_shell_word() -> None:
     """'--resources GPU=1, CPU=2' pasted into a shell gave dask worker a stray argument."""
     assert dask_executor._amounts({"GPU": 1, "CPU": 2.0}) == "GPU=1,CPU=2"
+
+
+def test_workers_that_join_after_the_plan_are_said_with_how_to_use_them(tmp_path: Path) -> None:
+    """With resources.parallel: auto, the slots are planned from the workers connected when the
+    sweep starts; a worker that joined later sat idle for the whole sweep, unsaid."""
+    dask = LocalDask(tmp_path / "dask")
+    dask.worker("first", 1)
+    said: list[str] = []
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10, say=said.append)
+    try:
+        wait_for(lambda: executor.capacity() == 1, "the first worker did not connect", 10)
+        assert len(executor.plan()) == 1
+        dask.worker("later", 2)
+        wait_for(lambda: said, "the worker that joined was not said", 10)
+    finally:
+        executor.close()
+        dask.close()
+    assert said == [(f"hpo: the Dask workers connected now take 3 trials at once; this sweep runs 1 slot, planned from "
+                     "the workers connected when it started (resources.parallel: auto); `hpo worker SCENARIO --cluster "
+                     f"{dask.address}` joins it with slots of its own, and resources.parallel plans that many slots "
+                     "next time")]
