@@ -741,6 +741,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
     while not log.exists():
         if row.outcome.ended:
             raise InputError(f"trial {args.trial}: no log at {log}")
+        elsewhere = _runs_elsewhere(store.trial(args.trial))
+        if elsewhere:
+            raise InputError(f"trial {args.trial}: it runs on {elsewhere}, and its log {log} is not on this machine; "
+                             f"run hpo tail there, or give the workdir a filesystem both share")
         if time.monotonic() > deadline:
             raise InputError(f"trial {args.trial}: it has not started within {TAIL_WAIT_S} s "
                              "(is a sweep running?)")
@@ -768,6 +772,17 @@ def cmd_tail(args: argparse.Namespace) -> int:
                           f"{'' if trial.state.is_finished() else ' yet'}", file=sys.stderr)
                 return EXIT_OK
             time.sleep(0.2)
+
+
+def _runs_elsewhere(trial: Any) -> str:
+    """The host that runs ``trial``, where its process has started on a machine other than this
+    one; '' otherwise."""
+    from hpo.recovery import run_info
+    from hpo.scheduler import HOST
+    from hpo.store import SYS_STARTED
+
+    host = str(run_info(trial).get("host", ""))
+    return host if host and host != HOST and SYS_STARTED in trial.system_attrs else ""
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -333,6 +333,30 @@ def test_tail_of_a_trial_that_printed_nothing_says_so(tmp_path: Path, write_scen
     assert tail.stderr == f"hpo: trial 0's log {log} is empty: it printed nothing\n"
 
 
+def test_tail_of_a_trial_that_runs_on_another_machine_says_where(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """From a machine without the trial folders, hpo tail waited 30 s, then said that the trial
+    had not started (is a sweep running?) about a trial that hpo status showed running."""
+    from hpo import designs
+    from hpo.scenario import load_scenario
+    from hpo.scheduler import Claim, Scheduler
+    from hpo.store import SYS_RUN, SYS_STARTED, StudyStore
+
+    path = write_scenario(tmp_path, search={"trials": 2})
+    scenario = load_scenario(path)
+    store = StudyStore(scenario, f"sqlite:///{tmp_path / 'runs' / 'demo' / 'study.db'}")
+    scheduler = Scheduler(store, designs.design_points(scenario), 2, tmp_path / "elsewhere", 1)
+    with store.lock():
+        claim = scheduler.claim(set())
+    assert isinstance(claim, Claim)
+    store.set_system(claim.number, SYS_RUN, {"worker": "gpu7:12", "host": "gpu7"})
+    store.set_system(claim.number, SYS_STARTED, {"slot": 0, "folder": str(claim.folder)})
+    tail = run_hpo("tail", path, str(claim.number))
+    assert (tail.returncode, tail.stdout) == (2, "")
+    assert tail.stderr.endswith(f"error: trial {claim.number}: it runs on gpu7, and its log {claim.folder / 'trial.log'} "
+                                "is not on this machine; run hpo tail there, or give the workdir a filesystem both "
+                                "share\n"), tail.stderr
+
+
 def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> None:
     """`hpo --help` cut the first line of each command's docstring mid-sentence ('... optimizer
     processes. Output'), and `hpo stop --help` showed ':func:`_worker_gone`'."""
