@@ -339,13 +339,22 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     return ended(Outcome.COMPLETE, "", value)
 
 
+SCRIPT_RESULT_FILE = "result.script.json"
+"""Where a ``result.json`` that the trial's script wrote itself is kept (hpo's record takes its name)."""
+
+
 def save_result(folder: Path, number: int, result: TrialResult, paused_s: float = 0.0) -> TrialResult:
     """Write ``result`` to the folder's ``result.json`` (atomically) and return it; a
-    ``paused_s`` is noted (see the module docstring). Where the disk is full, nothing is
-    written and :class:`~hpo.render.FolderFull` carries ``result``."""
+    ``paused_s`` is noted (see the module docstring). A ``result.json`` that is not hpo's
+    record of this trial (the script wrote one of its own) is first moved to
+    :data:`SCRIPT_RESULT_FILE`. Where the disk is full, nothing is written and
+    :class:`~hpo.render.FolderFull` carries ``result``."""
     record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
     if paused_s:
         record["paused_s"] = round(paused_s, 3)
+    with folder_writes(folder / RESULT_FILE, result):
+        if (folder / RESULT_FILE).exists() and saved_result(folder, number) is None:  # the script's own
+            (folder / RESULT_FILE).replace(folder / SCRIPT_RESULT_FILE)
     with folder_writes(folder / RESULT_FILE, result), replacing(folder / RESULT_FILE) as temporary:
         temporary.write_text(json.dumps(record, indent=2) + "\n")
     return result

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpo.executor import LocalExecutor, TrialControl, TrialSpec, judge, saved_result
+from hpo.executor import SCRIPT_RESULT_FILE, LocalExecutor, TrialControl, TrialSpec, judge, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome
 from hpo.render import TrialFile
@@ -125,6 +125,18 @@ def test_a_trial_runs_in_its_folder_and_leaves_its_result_there(tmp_path: Path) 
     folder = tmp_path / "trial-0007"
     assert saved_result(folder, 7) == result and saved_result(folder, 8) is None
     assert "val_error=0.25" in (folder / "trial.log").read_text()
+
+
+def test_a_result_json_the_script_writes_itself_is_kept_beside_hpo_s(tmp_path: Path) -> None:
+    """A script that saved its own results as result.json lost them: hpo's record replaced the file."""
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import json
+        json.dump({"accuracy": 0.9, "epochs": 3}, open("result.json", "w"))
+        print("val_error=0.1")
+        """), Control())
+    folder = tmp_path / "trial-0007"
+    assert saved_result(folder, 7) == result and result.value == 0.1
+    assert json.loads((folder / SCRIPT_RESULT_FILE).read_text()) == {"accuracy": 0.9, "epochs": 3}
 
 
 def test_a_trial_whose_end_is_asked_before_it_starts_is_not_started(tmp_path: Path) -> None:
