@@ -72,6 +72,19 @@ class Tally:
     retried: int
 
 
+def eta(t: Tally, since: Mapping[int, float], now: float) -> str:
+    """The time left, ``HH:MM:SS``: each running trial's mean duration less what it has run
+    (``since``: when each started, on the clock of ``now``), and the mean duration of each
+    trial not started, shared among the trials running at once; ``-`` before any duration."""
+    left = t.budget - t.done
+    mean = t.mean_duration_s
+    if mean is None or left <= 0:
+        return "-"
+    running = [max(0.0, mean - (now - since[row.number])) if row.number in since else mean for row in t.running]
+    work = sum(running) + max(0, left - len(running)) * mean
+    return time.strftime("%H:%M:%S", time.gmtime(work / max(1, len(running))))
+
+
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     """Count ``rows`` by outcome (see :class:`Tally`)."""
     durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
@@ -261,13 +274,6 @@ class ProgressView:
         if self._live is None:
             self._print(end_line(end, self._objective.metric))
 
-    def _eta(self, t: Tally) -> str:
-        left = t.budget - t.done
-        if t.mean_duration_s is None or left <= 0:
-            return "-"
-        parallel = max(1, len(t.running))
-        return time.strftime("%H:%M:%S", time.gmtime(t.mean_duration_s * left / parallel))
-
     def _render(self) -> Group:
         with self._lock:
             t = self._tally
@@ -282,7 +288,7 @@ class ProgressView:
         head = (f"{done}  [green]{counts.get(Outcome.COMPLETE, 0)} complete[/]  "
                 f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
                 f"{counts.get(Outcome.WAITING, 0) - t.past_budget} waiting{past}  "
-                f"[dim]{again} lost/interrupted (run again)[/]  ETA {self._eta(t)}")
+                f"[dim]{again} lost/interrupted (run again)[/]  ETA {eta(t, since, time.monotonic())}")
         best = best_text(t.best, self._objective.metric).strip() or "best: none yet"
         table = Table(box=None, pad_edge=False)
         for column in ("trial", "slot", "GPUs", "elapsed", "parameters"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from rich.console import Console
 
 from hpo.engine import TrialEnd, TrialStart
 from hpo.outcome import Outcome, TrialResult
-from hpo.progress import ProgressView, end_line, summary_line, tally
+from hpo.progress import ProgressView, Tally, end_line, eta, summary_line, tally
 from hpo.rows import TrialRow
 from hpo.scenario import Scenario, load_scenario
 
@@ -177,3 +178,14 @@ def test_a_held_out_metric_no_completed_trial_reported_is_said_at_the_end(tmp_pa
     assert done.stdout.endswith("note: no completed trial reported the held-out metric tset_error "
                                 "(objective.held_out): is that the name the script prints?\n"), done.stdout
     assert "test_error (objective" not in done.stdout
+
+
+def test_the_eta_counts_down_while_trials_run() -> None:
+    """It stayed at the mean duration from a trial's start to its end (hours, for hour-long trials)."""
+    running = tuple(replace(_row(n, 0.5), outcome=Outcome.RUNNING) for n in (2, 3))
+    t = Tally(budget=6, done=2, counts={}, best=None, running=running, failures=(), mean_duration_s=12.0, reruns=0,
+              past_budget=0, retried=0)
+    assert eta(t, {2: 100.0, 3: 100.0}, now=100.0) == "00:00:24"
+    assert eta(t, {2: 100.0, 3: 100.0}, now=106.0) == "00:00:18"
+    assert eta(t, {2: 100.0, 3: 100.0}, now=130.0) == "00:00:12"
+    assert eta(replace(t, mean_duration_s=None), {}, now=0.0) == "-"
