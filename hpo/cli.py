@@ -741,7 +741,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     while not log.exists():
         if row.outcome.ended:
             raise InputError(f"trial {args.trial}: no log at {log}")
-        elsewhere = _runs_elsewhere(store.trial(args.trial))
+        elsewhere = "" if log.parent.exists() else _runs_elsewhere(store.trial(args.trial))
         if elsewhere:
             raise InputError(f"trial {args.trial}: it runs on {elsewhere}, and its log {log} is not on this machine; "
                              f"run hpo tail there, or give the workdir a filesystem both share")
@@ -881,7 +881,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     ctx = _context(args)
     scenario = ctx.scenario
-    _check_submit(ctx)
     _workdir_owner(ctx, _workdir_flag(args))
     points = designs.design_points(scenario)
     budget = designs.total_trials(scenario)
@@ -903,6 +902,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         print(f"cluster: up to {cluster.jobs} {cluster.kind} jobs, each submitted with this job script:")
         print(job_script(cluster, ctx.workdir / "jobs").rstrip())
+        try:  # the script may be checked anywhere; hpo run refuses a machine that cannot submit it
+            _check_submit(ctx)
+        except InputError as exc:
+            print(f"note: {exc}")
     return EXIT_OK
 
 

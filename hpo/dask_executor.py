@@ -846,8 +846,9 @@ class DaskExecutor:
         self._told_capacity = takes
         self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once; this sweep runs "
                   f"{plural(self._auto_slots, 'slot')}, planned from the workers connected when it started "
-                  f"(resources.parallel: auto); `hpo worker SCENARIO --cluster {self.address}` joins it with slots "
-                  "of its own, and resources.parallel plans that many slots next time")
+                  f"(resources.parallel: auto); `hpo worker SCENARIO --cluster {self.address}` (with this sweep's "
+                  "--storage and --workdir) joins it with slots of its own, and resources.parallel plans that many "
+                  "slots next time")
 
     def _tell_waiting(self, waiting: int, infos: Sequence[Mapping[str, Any]]) -> None:
         """Say that ``waiting`` trials wait in Dask's queue: no worker is connected, or none of
@@ -1048,10 +1049,15 @@ class DaskExecutor:
             if self._stopping:
                 self._forget_event(_stopping_event(self.options.topic))
         self.client.close()
+        distributed = logging.getLogger("distributed")
+        level = distributed.level
         if self._owned:  # a scheduler of its own, closing: distributed logs its cancelled waits and closed comms
-            logging.getLogger("distributed").setLevel(logging.CRITICAL)  # with tracebacks, as errors
-        for thing in self._owned:
-            thing.close()
+            distributed.setLevel(logging.CRITICAL)  # with tracebacks, as errors
+        try:
+            for thing in self._owned:
+                thing.close()
+        finally:
+            distributed.setLevel(level)
 
 
 class _Resubmit(Exception):

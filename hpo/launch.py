@@ -168,8 +168,9 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
     Every active parameter is passed when ``flags: true``, and a parameter with its own
     ``flag`` always; its flag is that ``flag`` or the name in ``flag_style`` (``--name value``,
     ``--name=value`` or ``-name value``). A value that starts with ``-`` (``-6.4e-05``, a
-    choice ``-x``) is always joined to its flag (``--name=-6.4e-05``), as argparse, click and
-    Go's flag package read it: on its own it would be taken for a flag. A bool is a switch:
+    choice ``-x``) is joined to a ``--`` flag (``--name=-6.4e-05``), as every parser of long
+    options reads it (argparse, getopt_long, click): on its own argparse would take it for a
+    flag. A bool is a switch:
     present when true, absent when false. With ``seed_flag`` set, ``seed`` (the trial's seed)
     is passed under it.
     """
@@ -181,7 +182,8 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
             out.extend([flag] if value else [])
         else:
             text = str(value)
-            out.extend([f"{flag}={text}"] if joined or text.startswith("-") else [flag, text])
+            out.extend([f"{flag}={text}"] if joined or (text.startswith("-") and flag.startswith("--"))
+                       else [flag, text])
 
     for name, value in values.items():
         flag = scenario.flag_of(name)
@@ -242,8 +244,11 @@ def _python_script(args: Sequence[str]) -> str | None:
 
 
 def _exists(path: str, files: Sequence[str]) -> bool:
-    """Whether ``path`` is one of the trial folder's ``files`` or an existing absolute path."""
-    return os.path.normpath(path) in files or (Path(path).is_absolute() and Path(path).exists())
+    """Whether ``path`` is one of the trial folder's ``files``, lies below one (a linked folder),
+    or is an existing absolute path."""
+    norm = os.path.normpath(path)
+    return norm in files or any(str(parent) in files for parent in Path(norm).parents) or \
+        (Path(path).is_absolute() and Path(path).exists())
 
 
 def this_python(command: Sequence[str]) -> list[str]:

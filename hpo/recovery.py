@@ -80,8 +80,7 @@ class BeatWatch:
 
     def silent_s(self, trial: FrozenTrial, beat: float) -> float:
         """Seconds since this process first saw ``trial`` (its run, by token) beat ``beat``."""
-        run = run_info(trial)
-        key = (str(run.get("token") or run.get("worker", "")), trial.number)
+        key = _run_key(trial)
         now = self._clock()
         with self._lock:
             last, since = self._seen.get(key, (None, now))
@@ -89,6 +88,18 @@ class BeatWatch:
                 since = now
             self._seen[key] = (beat, since)
         return now - since
+
+    def forget_all_but(self, running: list[FrozenTrial]) -> None:
+        """Forget the beats of trials that no longer run (``running``: those that do)."""
+        keep = {_run_key(trial) for trial in running}
+        with self._lock:
+            self._seen = {key: seen for key, seen in self._seen.items() if key in keep}
+
+
+def _run_key(trial: FrozenTrial) -> tuple[str, int]:
+    """What tells a trial's run from another: its token (its worker's id for older studies) and number."""
+    run = run_info(trial)
+    return str(run.get("token") or run.get("worker", "")), trial.number
 
 
 BEATS = BeatWatch()
@@ -168,6 +179,7 @@ def recover_stale(store: StudyStore, workdir: Path, me: str, mine: Container[int
     judge = judges_beats(store.call.healthy_since, time.monotonic(), heartbeat_s)
     now = time.time()
     whys = {t.number: gone_why(t, now, heartbeat_s, me, mine, judge) for t in running}
+    BEATS.forget_all_but(running)
     stale = [t for t in running if whys[t.number] is not None]
     if not stale:
         return []

@@ -20,14 +20,13 @@ raise :class:`FolderFull`, which names the file and the room left on its disk.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
 import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 
@@ -187,18 +186,14 @@ class TrialFile:
     link: Path | None = None
 
 
-def _link_target(link: Path) -> Path:
-    """Where the symbolic link ``link`` of a template folder leads; InputError where it leads
-    nowhere (a missing target, a loop) or to a folder that holds it (trial folders would hold
-    themselves)."""
+def _link_target(link: Path) -> Path | None:
+    """Where the symbolic link ``link`` of a template folder leads; None where it leads nowhere
+    (a missing target, a loop: left out, as an editor's lock file ``.#train.py`` is); InputError
+    where it leads to a folder that holds it (trial folders would hold themselves)."""
     try:
         target = link.resolve(strict=True)
-    except FileNotFoundError:
-        raise InputError(f"template: {link} links to {os.readlink(link)}, which is not found") from None
-    except (OSError, RuntimeError) as exc:  # a loop: RuntimeError, OSError ELOOP from Python 3.13
-        loop = not isinstance(exc, OSError) or exc.errno == errno.ELOOP
-        problem = "is a link loop" if loop else f"cannot be followed: {exc.strerror}"
-        raise InputError(f"template: {link} {problem}") from None
+    except (OSError, RuntimeError):  # missing; a loop: RuntimeError, OSError ELOOP from Python 3.13
+        return None
     if link.parent.resolve().is_relative_to(target):
         raise InputError(f"template: {link} links to {target}, a folder that holds it")
     return target
@@ -373,6 +368,16 @@ class Renderer:
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 
+    def _link(self, name: str, target: Path) -> Path:
+        """What the trial folder's link ``name`` to the folder ``target`` holds: where ``target``
+        lies in the trial folder, relative to the link, if it is in a template folder (rendered
+        there); else ``target`` itself."""
+        for template in self._scenario.template:
+            root = template.resolve()
+            if template.is_dir() and target.is_relative_to(root):
+                return Path(os.path.relpath(target.relative_to(root.parent), PurePosixPath(name).parent))
+        return target
+
     @property
     def scenario(self) -> Scenario:
         """The scenario whose templates this renders."""
@@ -418,7 +423,7 @@ class Renderer:
         out = []
         for name, render, template in self._renderers:
             if template.is_dir():
-                out.append(TrialFile(name, b"", link=template))
+                out.append(TrialFile(name, b"", link=self._link(name, template)))
                 continue
             mode = template.stat().st_mode & 0o777
             data = template.read_bytes() if render is None else texts[name].encode()

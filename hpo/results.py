@@ -263,9 +263,9 @@ class MetricParser:
                  step_pattern: str | None = None) -> None:
         self._quality_name = quality_name
         self._patterns = {name: re.compile(pattern) for name, pattern in (patterns or {}).items()}
-        # the objective named with a value ("val_error: 0.25", "'val_error': 0.25"), unless a pattern reads it
+        # the objective named with a number ("val_error: 0.25", "'val_error': tensor(0.25)"), unless a pattern reads it
         self._quality_named = None if quality_name in self._patterns else re.compile(
-            rf"(?<!{_NAME_CHAR}){re.escape(quality_name)}['\"]?\s*(?:[:=]\s*\S|\s+[-+]?\.?\d)")
+            rf"(?<!{_NAME_CHAR}){re.escape(quality_name)}['\"]?\s*(?:[:=]\s*|\s+)(?:[-+]?\.?\d|[\w.]+\()")
         self._unread: dict[str, str] = {}
         self._step_pattern = re.compile(step_pattern) if step_pattern else None
         self._step: int | None = None

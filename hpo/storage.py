@@ -346,7 +346,8 @@ SERVER_LOCK_POLL_S = 0.05  # how often a waiter tries a server's lock again (a q
 def ask_lock(url: str, on_wait: Callable[[str], None] | None = None,
              give_up: Callable[[], bool] = lambda: False, study: str = "") -> Iterator[Callable[[], bool]]:
     """Hold the lock of the study named ``study`` under which the budget is checked and a
-    trial is asked; yields ``held()``, whether the lock is still this process's.
+    trial is asked (``""``: the whole store's, under which its tables are made); yields
+    ``held()``, whether the lock is still this process's.
 
     SQLite and journal files use a lock file beside them (all processes on the machine; it
     is never lost, and all the file's studies share it), which names the process that holds
@@ -529,10 +530,12 @@ def _server_holder(conn: Any, dialect: str, key: int) -> str:
     if row is None:
         return "another session of the server (gone since)"
     name, address, pid = row
-    who = name.removeprefix("hpo ") if name and name.startswith("hpo ") else f"session {pid} ({name or 'unnamed'})"
-    if who.startswith(f"{HOST}:"):
-        return _holder_here(int(who.rpartition(":")[2]))
-    return f"{who}" + (f" from {address}" if address else "")
+    host, _, worker_pid = (name or "").removeprefix("hpo ").rpartition(":")
+    if not (name or "").startswith("hpo ") or not worker_pid.isdigit():  # not hpo's, or cut at 63 bytes
+        return f"server session {pid} ({name or 'unnamed'})" + (f" from {address}" if address else "")
+    if host == HOST:
+        return _holder_here(int(worker_pid))
+    return f"{host}:{worker_pid}" + (f" from {address}" if address else "")
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:

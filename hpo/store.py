@@ -164,6 +164,7 @@ class StudyStore:
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
         self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock)
         self._holder: _Holder | None = None
+        self._lock_scope = ""  # the whole store's lock while its tables may be made, then the study's
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
@@ -179,10 +180,11 @@ class StudyStore:
 
         if not reached:
             reach(url, create)  # bad input fails here; past it, what fails is an outage and is retried
-        if create:  # creating the tables of a new store must not race another process
+        if create:  # creating the tables of a new store must not race another process, of any study
             self.locked(open_study)
         else:  # a reader does not wait for a worker that holds the lock (one stopped with SIGSTOP holds it on)
             open_study()
+        self._lock_scope = scenario.name
         if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
@@ -209,7 +211,7 @@ class StudyStore:
         lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
         claimed under it are appended to ``claimed``."""
         def enter() -> Any:
-            context = ask_lock(self.url, self._on_outage, self.call.gave_up, self.scenario.name)
+            context = ask_lock(self.url, self._on_outage, self.call.gave_up, self._lock_scope)
             return context, context.__enter__()
 
         context, held = self.call(enter)

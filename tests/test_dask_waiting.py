@@ -220,5 +220,5 @@ def test_workers_that_join_after_the_plan_are_said_with_how_to_use_them(tmp_path
         dask.close()
     assert said == [(f"hpo: the Dask workers connected now take 3 trials at once; this sweep runs 1 slot, planned from "
                      "the workers connected when it started (resources.parallel: auto); `hpo worker SCENARIO --cluster "
-                     f"{dask.address}` joins it with slots of its own, and resources.parallel plans that many slots "
-                     "next time")]
+                     f"{dask.address}` (with this sweep's --storage and --workdir) joins it with slots of its own, and "
+                     "resources.parallel plans that many slots next time")]

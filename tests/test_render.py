@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hpo.errors import InputError
+from hpo.launch import check_command
 from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder, write_files
 from hpo.scenario import Scenario, load_scenario
 
@@ -410,23 +411,40 @@ def test_a_linked_folder_of_a_template_folder_is_linked(tmp_path: Path, write_sc
     assert (folder / "project" / "notes.txt").read_text() == "1,2\n"
 
 
-@pytest.mark.parametrize(("make", "problem"), [
-    pytest.param(lambda link: link.symlink_to("gone"), "links to gone, which is not found", id="dangling"),
-    pytest.param(lambda link: (link.symlink_to("loop2"), link.with_name("loop2").symlink_to(link.name)),
-                 "is a link loop", id="loop"),
-    pytest.param(lambda link: link.symlink_to(".."), "links to {sc}, a folder that holds it", id="to-its-own-folder"),
-])
-def test_a_link_that_leads_nowhere_or_back_is_an_input_error(tmp_path: Path, write_scenario: WriteScenario,
-                                                             make: Callable[[Path], Any], problem: str) -> None:
+def test_a_link_that_leads_back_is_an_input_error_and_one_that_leads_nowhere_is_left_out(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A dangling link (an editor's lock file, ``.#train.py``) or a loop is left out, as any
+    file that is none; a link to a folder that holds it would make trial folders hold themselves."""
     project = tmp_path / "sc" / "project"
     project.mkdir(parents=True)
     (project / "train.py").write_text("print(1)\n")
-    make(project / "data")
+    (project / ".#train.py").symlink_to("root@host.1234:1700000000")
+    (project / "loop1").symlink_to("loop2")
+    (project / "loop2").symlink_to("loop1")
     path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py")
+    assert Renderer(load_scenario(path)).names == ("project/train.py",)
+    (project / "up").symlink_to("..")
     with pytest.raises(InputError) as raised:
         Renderer(load_scenario(path))
     sc = (tmp_path / "sc").resolve()
-    assert str(raised.value) == f"template: {sc / 'project' / 'data'} {problem.format(sc=sc)}"
+    assert str(raised.value) == f"template: {sc / 'project' / 'up'} links to {sc}, a folder that holds it"
+
+
+def test_a_link_to_a_folder_of_the_template_folder_leads_to_its_rendered_copy(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """It led to the template's own sources, unrendered."""
+    project = tmp_path / "sc" / "project"
+    (project / "nets").mkdir(parents=True)
+    (project / "nets" / "net.py.j2").write_text("x = {{ x }}\n")
+    (project / "train.py").write_text("print(1)\n")
+    (project / "models").symlink_to("nets")
+    path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py")
+    folder = tmp_path / "work" / "trial-0000"
+    write_files(folder, Renderer(load_scenario(path)).files(0, folder, {"x": 0.5, "opt": "a"},
+                                                            ["python", "project/train.py"]))
+    assert (folder / "project" / "models").readlink() == Path("nets")
+    assert (folder / "project" / "models" / "net.py").read_text() == "x = 0.5\n"
+    check_command(["python", "project/models/net.py"], Renderer(load_scenario(path)).names)  # below a linked folder
 
 
 def test_jinja_templates_include_import_and_extend_the_files_of_their_folder(

@@ -1069,6 +1069,7 @@ def test_a_missing_objective_whose_name_is_no_key_is_shown_in_json() -> None:
         pytest.param("val_error improved\nbest_val_error=0.1 so far\nval_error_ema: 0.2\n\"val_error\"\nval_error:",
                      None, id="no-value-or-another-name"),
         pytest.param("val_error=0.3\rEpoch 1 done", None, id="before-a-carriage-return"),
+        pytest.param("val_error: None\nlogging val_error: every epoch", None, id="no-number"),
         pytest.param("INFO val_error=0.125", {"val_error": r"^val_error (\S+)$"}, id="the-objective-has-a-pattern"),
         pytest.param('{"step": -1, "val_error": 0.4}\nval_error=n/a', None, id="read-but-refused-or-not-a-number"),
     ],

@@ -179,7 +179,11 @@ def test_a_signal_ends_a_sweep_one_of_whose_workers_is_stopped(tmp_path: Path, s
     run, _, pid = run_two_workers_until_a_trial_runs(path)
     freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
     run.send_signal(sig)
-    out, err = run.communicate(timeout=60)
+    try:
+        out, err = run.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a worker left stopped would outlive the test
+            os.kill(pid, signal.SIGCONT)
     assert run.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], out + err
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not [r for r in rows(path) if r["state"] == "RUNNING"]
