@@ -383,33 +383,40 @@ def _lock_path(store: Path) -> Path:
 
 def _take_file_lock(handle: Any, lock_path: Path, on_wait: Callable[[str], None] | None,
                     give_up: Callable[[], bool]) -> None:
-    """Lock ``handle``, telling ``on_wait`` of a long wait and raising StoreUnavailable once
-    ``give_up()``; then write this process's id into the file, for whoever waits next."""
-    noted = time.monotonic() + LOCK_WAIT_NOTED_S
-    while True:
+    """Lock ``handle`` (:func:`_wait_for`); then write this process's id into the file, for
+    whoever waits next."""
+    def take() -> bool:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            return True
         except BlockingIOError:
-            if give_up():
-                raise StoreUnavailable(f"the sweep is stopping; it waited for the study's ask lock {lock_path} "
-                                       "in vain") from None
-            if on_wait is not None and time.monotonic() >= noted:
-                _note_wait(lock_path, on_wait)
-                noted = float("inf")
-            time.sleep(LOCK_POLL_S)
+            return False
+
+    _wait_for(take, LOCK_POLL_S, give_up, f"the study's ask lock {lock_path}", on_wait,
+              lambda: _lock_holder(lock_path))
     with contextlib.suppress(OSError):  # a note for whoever waits, not worth failing the section for
         # written past Python's buffer: a write a full disk refused would fail the file's close
         os.ftruncate(handle.fileno(), 0)
         os.write(handle.fileno(), f"{HOST}:{os.getpid()}\n".encode())
 
 
-def _note_wait(lock_path: Path, on_wait: Callable[[str], None]) -> None:
-    """Tell ``on_wait`` who holds the lock; nothing escapes (it is a note)."""
-    try:
-        on_wait(_lock_holder(lock_path) + "; waiting for it")
-    except Exception:  # a note, never worth a traceback
-        _log.debug("cannot say who holds %s", lock_path, exc_info=True)
+def _wait_for(take: Callable[[], bool], poll_s: float, give_up: Callable[[], bool], lock: str,
+              on_wait: Callable[[str], None] | None, note: Callable[[], str]) -> None:
+    """Call ``take()`` every ``poll_s`` until it takes the lock (True). A wait of over
+    :data:`LOCK_WAIT_NOTED_S` is told to ``on_wait`` once (``note()``, who holds it; nothing
+    escapes: it is a note); once ``give_up()``, :class:`StoreUnavailable` says that ``lock``
+    was waited for in vain."""
+    noted = time.monotonic() + LOCK_WAIT_NOTED_S
+    while not take():
+        if give_up():
+            raise StoreUnavailable(f"the sweep is stopping; it waited for {lock} in vain")
+        if on_wait is not None and time.monotonic() >= noted:
+            noted = float("inf")
+            try:
+                on_wait(note() + "; waiting for it")
+            except Exception:  # a note, never worth a traceback
+                _log.debug("cannot say who holds %s", lock, exc_info=True)
+        time.sleep(poll_s)
 
 
 def _lock_holder(lock_path: Path) -> str:
@@ -437,12 +444,18 @@ def _holder(lock_path: Path) -> str:
     """Who last took the lock at ``lock_path``, as its file names them (``host:pid``): ``process
     12 on this machine`` (saying so, and how to resume it, where it is stopped), ``host:12``
     on another machine, or '' where the file names no one."""
-    host, _, pid_text = lock_path.read_text(errors="replace").strip().rpartition(":")
+    return _worker_named(lock_path.read_text(errors="replace").strip())
+
+
+def _worker_named(worker: str, address: str = "") -> str:
+    """The worker ``host:pid`` in words: ``process 12 on this machine`` (:func:`_holder_here`),
+    else ``host:12`` (with ``from ADDRESS``, where given); '' where ``worker`` is no such id."""
+    host, _, pid_text = worker.rpartition(":")
     if not host or not pid_text.isdigit():
         return ""
-    if host != HOST:
-        return f"{host}:{pid_text}"
-    return _holder_here(int(pid_text))
+    if host == HOST:
+        return _holder_here(int(pid_text))
+    return f"{host}:{pid_text}" + (f" from {address}" if address else "")
 
 
 def _holder_here(pid: int) -> str:
@@ -481,18 +494,14 @@ def _server_lock(url: str, study: str, on_wait: Callable[[str], None] | None,
                           ("SELECT GET_LOCK(:k, 0)", "SELECT RELEASE_LOCK(:k)", f"hpo-{key}"))
     try:
         with engine.connect() as conn:
-            noted = time.monotonic() + LOCK_WAIT_NOTED_S
-            while not conn.execute(sqlalchemy.text(take), {"k": arg}).scalar():
-                conn.commit()
-                if give_up():
-                    raise StoreUnavailable(f"the sweep is stopping; it waited for the ask lock of study {study} "
-                                           "on the server in vain")
-                if on_wait is not None and time.monotonic() >= noted:
-                    on_wait(f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the ask lock of study {study}, "
-                            f"held by {_server_holder(conn, dialect, key)}; waiting for it")
-                    noted = float("inf")
-                time.sleep(SERVER_LOCK_POLL_S)
-            conn.commit()  # the lock is the session's: no transaction stays open while it is held
+            def taken() -> bool:
+                got = conn.execute(sqlalchemy.text(take), {"k": arg}).scalar()
+                conn.commit()  # the lock is the session's: no transaction stays open while it is held
+                return bool(got)
+
+            _wait_for(taken, SERVER_LOCK_POLL_S, give_up, f"the ask lock of study {study} on the server", on_wait,
+                      lambda: f"this worker has waited {LOCK_WAIT_NOTED_S:.0f} s for the ask lock of study {study}, "
+                              f"held by {_server_holder(conn, dialect, key)}")
 
             def held() -> bool:
                 try:
@@ -530,12 +539,8 @@ def _server_holder(conn: Any, dialect: str, key: int) -> str:
     if row is None:
         return "another session of the server (gone since)"
     name, address, pid = row
-    host, _, worker_pid = (name or "").removeprefix("hpo ").rpartition(":")
-    if not (name or "").startswith("hpo ") or not worker_pid.isdigit():  # not hpo's, or cut at 63 bytes
-        return f"server session {pid} ({name or 'unnamed'})" + (f" from {address}" if address else "")
-    if host == HOST:
-        return _holder_here(int(worker_pid))
-    return f"{host}:{worker_pid}" + (f" from {address}" if address else "")
+    worker = _worker_named(name.removeprefix("hpo "), address or "") if name and name.startswith("hpo ") else ""
+    return worker or f"server session {pid} ({name or 'unnamed'})" + (f" from {address}" if address else "")
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
