@@ -4,7 +4,7 @@ A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is r
 written without that suffix; any other file is copied as it is. A folder brings its files,
 rendered or copied the same way, under its own name (``models/``, ``models/net.py``); a link
 to a folder inside it is linked, not copied (``models/data`` links to where ``data`` leads),
-and a link that leads nowhere, or to a folder that holds it, is bad input. The syntax is
+a link that leads nowhere is left out, and one to a folder that holds it is bad input. The syntax is
 Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``; a
 Jinja template may include, import or extend the files of its own folder and of the template
 folder it is in. Templates see every parameter by name plus ``trial_number``, ``trial_dir``,
@@ -348,6 +348,7 @@ class Renderer:
     def __init__(self, scenario: Scenario) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
+        self._links: dict[str, Path] = {}  # a trial folder's links to folders, by name: what each holds
         _check_data_dir(scenario)
         _check_unrendered(scenario)
         entries = _entries(scenario.template)
@@ -365,6 +366,8 @@ class Renderer:
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text, folder)
             if template in scenario.template:  # named on its own: a folder brings a project's files as they are
                 _check_placeholders(scenario, template, rendered)
+            if template.is_dir():
+                self._links[name] = self._link(name, template)
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 
@@ -422,8 +425,8 @@ class Renderer:
         texts = self.render_texts(number, folder, params, seed)
         out = []
         for name, render, template in self._renderers:
-            if template.is_dir():
-                out.append(TrialFile(name, b"", link=self._link(name, template)))
+            if name in self._links:
+                out.append(TrialFile(name, b"", link=self._links[name]))
                 continue
             mode = template.stat().st_mode & 0o777
             data = template.read_bytes() if render is None else texts[name].encode()
