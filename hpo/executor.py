@@ -355,8 +355,8 @@ def save_result(folder: Path, number: int, result: TrialResult, paused_s: float 
     with folder_writes(folder / RESULT_FILE, result):
         if (folder / RESULT_FILE).exists() and saved_result(folder, number) is None:  # the script's own
             (folder / RESULT_FILE).replace(folder / SCRIPT_RESULT_FILE)
-    with folder_writes(folder / RESULT_FILE, result), replacing(folder / RESULT_FILE) as temporary:
-        temporary.write_text(json.dumps(record, indent=2) + "\n")
+        with replacing(folder / RESULT_FILE) as temporary:
+            temporary.write_text(json.dumps(record, indent=2) + "\n")
     return result
 
 

@@ -170,9 +170,8 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
     ``--name=value`` or ``-name value``). A value that starts with ``-`` (``-6.4e-05``, a
     choice ``-x``) is joined to a ``--`` flag (``--name=-6.4e-05``), as every parser of long
     options reads it (argparse, getopt_long, click): on its own argparse would take it for a
-    flag. A bool is a switch:
-    present when true, absent when false. With ``seed_flag`` set, ``seed`` (the trial's seed)
-    is passed under it.
+    flag. A bool is a switch: present when true, absent when false. With ``seed_flag`` set,
+    ``seed`` (the trial's seed) is passed under it.
     """
     joined = scenario.flag_style == "--name=value"
     out: list[str] = []
