@@ -788,9 +788,11 @@ class DaskExecutor:
         """Trials the cluster runs at once (given, or what the workers connected now take)."""
         if self._capacity is not None:
             return self._capacity
-        infos = self.client.scheduler_info()["workers"].values()
-        return sum(self.demand.at_once(info["nthreads"], info.get("resources", {}), self.options.restricted)
-                   for info in infos)
+        return sum(self._takes(info) for info in self.client.scheduler_info()["workers"].values())
+
+    def _takes(self, info: Mapping[str, Any]) -> int:
+        """Trials the worker of ``info`` (as the scheduler describes it) runs at once."""
+        return self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), self.options.restricted)
 
     def plan(self, parallel: int | None = None, at_least: int = 1) -> tuple[Slot, ...]:
         """The sweep's slots: ``parallel``, else ``resources.parallel`` when set to a number,
@@ -821,11 +823,10 @@ class DaskExecutor:
         for why in failures[self._failures_told:]:
             self._say(f"hpo: a batch job could not be submitted: {why}")
         self._failures_told = len(failures)
-        restricted = self.options.restricted
         infos = list(workers.values())
-        self._tell_unused(sum(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted)
-                              for info in infos))
-        if any(self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted) for info in infos):
+        takes = [self._takes(info) for info in infos]
+        self._tell_unused(sum(takes))
+        if any(takes):
             self._told_waiting = None
             return
         now = time.monotonic()
@@ -943,9 +944,7 @@ class DaskExecutor:
         """The workers a trial may go to now: any (None) unless trials are kept off some, whose
         disk is full (:class:`_FullWorkers`); FolderFull where that is each connected worker
         that could run it."""
-        restricted = self.options.restricted
-        able = [address for address, info in self.watch.workers.items()
-                if self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), restricted)]
+        able = [address for address, info in self.watch.workers.items() if self._takes(info)]
         kept_off = self._full.kept_off(able)
         if not kept_off:
             return None
