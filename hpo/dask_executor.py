@@ -553,7 +553,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
             try:
                 place = {"worker": worker.address, "host": socket.gethostname(), "folder": str(folder),
                          "shared": shared}
-                result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder)
+                result = run_trial(replace(spec, slot=slot), _WorkerControl(courier, place), folder,
+                                   lost_cause=lambda: courier.cause)
             finally:
                 rest = courier.stop()
         except (FolderFull, OSError) as exc:
@@ -569,12 +570,6 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
                               label=worker_label(worker))
         if full and not shared and result.outcome is Outcome.INTERRUPTED:  # its log refused: it runs again, so
             shutil.rmtree(folder, ignore_errors=True)  # what it wrote here (a runaway checkpoint) goes
-        if result.outcome is Outcome.INTERRUPTED and courier.cause is not None and not full:  # not the sweep's request
-            result = TrialResult(Outcome.LOST, duration_s=result.duration_s, reason=f"lost: {courier.cause}")
-            try:
-                save_result(folder, spec.number, result)
-            except FolderFull as exc:
-                full = f"{worker_label(worker)}: {exc}"
     finally:
         if gpus:
             pool.give_back(gpus)

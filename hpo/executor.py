@@ -165,7 +165,8 @@ class LocalExecutor:
         """Nothing to release."""
 
 
-def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResult:
+def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
+              lost_cause: Callable[[], str | None] | None = None) -> TrialResult:
     """Write ``spec``'s files into ``folder``, run it there, judge it, write ``result.json``.
 
     Every output line is parsed before the trial is judged. While the process runs, the
@@ -174,13 +175,15 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
     those left over after the process ended are recorded unjudged; a trial being stopped or
     interrupted reports none. A trial whose end is asked before it starts (``hpo stop`` of a
     trial claimed ahead) is not started: it is judged so ended, after 0 s. A full disk raises
-    :class:`~hpo.render.FolderFull` (see the module docstring).
+    :class:`~hpo.render.FolderFull` (see the module docstring). A trial interrupted for a
+    cause that ``lost_cause`` names (not the sweep's request) is LOST for it; its
+    ``result.json`` is written once, with that verdict.
     """
     write_files(folder, spec.files)
     objective = spec.objective
     asked = control.end_request()
     if asked is not None:
-        return save_result(folder, spec.number, not_started(spec, asked))
+        return save_result(folder, spec.number, _lost_if(lost_cause, not_started(spec, asked)))
     parser = MetricParser(objective.metric, objective.patterns, objective.step_pattern)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     pruned_at: int | None = None
@@ -233,7 +236,13 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path) -> TrialResu
         raise FolderFull(ended_by, result)
     result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at,
                    sigkill_after)
-    return save_result(folder, spec.number, result, watch.paused_s)
+    return save_result(folder, spec.number, _lost_if(lost_cause, result), watch.paused_s)
+
+
+def _lost_if(lost_cause: Callable[[], str | None] | None, result: TrialResult) -> TrialResult:
+    """``result``, or LOST where it is INTERRUPTED and ``lost_cause`` names why."""
+    cause = lost_cause() if lost_cause is not None and result.outcome is Outcome.INTERRUPTED else None
+    return result if cause is None else TrialResult(Outcome.LOST, duration_s=result.duration_s, reason=f"lost: {cause}")
 
 
 class _Watch:

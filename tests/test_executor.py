@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpo.executor import SCRIPT_RESULT_FILE, LocalExecutor, TrialControl, TrialSpec, judge, saved_result
+from hpo.executor import SCRIPT_RESULT_FILE, LocalExecutor, TrialControl, TrialSpec, judge, run_trial, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome
 from hpo.render import TrialFile
@@ -233,6 +233,28 @@ def test_ending_the_trial_during_its_post_process_is_judged_as_during_the_comman
     result = LocalExecutor().run(trial, EndDuringPostProcess(request_, trial.folder))
     assert (result.outcome, result.reason) == (outcome, reason)
     assert result.duration_s < 10
+
+
+@pytest.mark.parametrize("cause", [None, "its worker lost the scheduler"])
+def test_an_interrupted_trial_with_a_lost_cause_is_written_lost_once(tmp_path: Path, cause: str | None) -> None:
+    """The cause is asked once the trial is interrupted; ``result.json`` is written with the
+    final verdict, never first as INTERRUPTED (a reader could see that and stop waiting)."""
+    objective = Objective(metric="val_error", post_process=("python", "parse.py"))
+    parse = TrialFile("parse.py", b"import time\nopen('post-started', 'w').close()\ntime.sleep(60)\n")
+    trial = spec(tmp_path, "print('val_error=0.5')\n", objective, extra=(parse,))
+    written: list[object] = []
+
+    def lost_cause() -> str | None:
+        written.append(saved_result(trial.folder, 7))
+        return cause
+
+    result = run_trial(trial, EndDuringPostProcess("interrupted", trial.folder), trial.folder, lost_cause)
+    assert written == [None]
+    if cause is None:
+        assert result.outcome is Outcome.INTERRUPTED
+    else:
+        assert (result.outcome, result.reason) == (Outcome.LOST, f"lost: {cause}")
+    assert saved_result(trial.folder, 7) == result
 
 
 def test_the_post_process_gets_what_is_left_of_the_trial_timeout(tmp_path: Path) -> None:
