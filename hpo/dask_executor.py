@@ -171,7 +171,7 @@ class TaskReport:
     Args:
         result: how the trial ended.
         worker: the Dask worker that ran it.
-        gpus: the GPU ids it ran on.
+        slot: the slot it ran on, with the worker's GPU ids (empty on CPU) and threads.
         shared: whether it ran in the trial's own folder (else in scratch space).
         chunks: log chunks sent as events.
         rest: the end of the log that no event carried.
@@ -186,7 +186,7 @@ class TaskReport:
 
     result: TrialResult
     worker: str
-    gpus: tuple[int, ...] = ()
+    slot: Slot | None = None
     shared: bool = True
     chunks: int = 0
     rest: str = ""
@@ -465,8 +465,8 @@ class _WorkerControl(TrialControl):
         self._place = place
         self._start = HeldStart(lambda start: courier.send("started", **start))
 
-    def started(self, gpus: Sequence[int]) -> None:
-        self._start.hold({"gpus": list(gpus), **self._place})
+    def started(self, slot: Slot) -> None:
+        self._start.hold({"gpus": list(slot.gpus), "share": slot.share, "threads": slot.threads, **self._place})
 
     def intermediate(self, step: int, value: float) -> bool:
         self._start.release()
@@ -533,14 +533,14 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     except ValueError as exc:
         return TaskReport(TrialResult(Outcome.FAIL, reason=str(exc)), worker.address)
     try:
+        slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
+                       share=demand.share if gpus else 1)
         courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
         courier.poll()
         stopping = Event(_stopping_event(options.topic), client=client).is_set()
         asked = courier.end_request() or ("interrupted" if stopping else None)
         if asked is not None:  # the sweep stops, or the worker closes, before it started: it does not start
-            return TaskReport(not_started(spec, asked), worker.address, gpus, shared, started=False)
-        slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
-                       share=demand.share if gpus else 1)
+            return TaskReport(not_started(spec, asked), worker.address, slot, shared, started=False)
         result: TrialResult | None = None
         full = rest = ""
         try:
@@ -566,14 +566,14 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
             if not shared:
                 shutil.rmtree(folder, ignore_errors=True)
             refused = TrialResult(Outcome.INTERRUPTED, reason=f"interrupted before it started: {full}; it runs again")
-            return TaskReport(refused, worker.address, gpus, shared, started=False, full=full,
+            return TaskReport(refused, worker.address, slot, shared, started=False, full=full,
                               label=worker_label(worker))
         if full and not shared and result.outcome is Outcome.INTERRUPTED:  # its log refused: it runs again, so
             shutil.rmtree(folder, ignore_errors=True)  # what it wrote here (a runaway checkpoint) goes
     finally:
         if gpus:
             pool.give_back(gpus)
-    return TaskReport(result, worker.address, gpus, shared, courier.chunks, rest, full=full,
+    return TaskReport(result, worker.address, slot, shared, courier.chunks, rest, full=full,
                       label=worker_label(worker) if full else "")
 
 
@@ -1107,7 +1107,10 @@ class _Following:
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
             self._executor.started(self._spec.token, self._worker)
-            self._control.started(tuple(message.get("gpus", ())))
+            ran = self._spec.slot
+            self._control.started(replace(ran, gpus=tuple(message.get("gpus", ())),
+                                          share=int(message.get("share", ran.share)),
+                                          threads=int(message.get("threads", ran.threads))))
         elif kind == "value":
             self._value(int(message["step"]), float(message["value"]), bool(message.get("judged", True)))
         elif kind == "log":
@@ -1215,7 +1218,7 @@ class _Following:
             self._note(f"hpo: not started on Dask worker {report.worker}: {report.result.reason}\n")
             return report.result
         if not self._started:
-            self._control.started(report.gpus)
+            self._control.started(report.slot or self._spec.slot)
             self._executor.started(self._spec.token, report.worker)
         if report.full:  # its log or result.json, later
             self._executor.refused(report.worker, report.label, report.full)

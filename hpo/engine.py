@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -692,19 +692,19 @@ class _Control(TrialControl):
         with self._sweep._lock:
             return self._sweep._running.get(self._claim.number)
 
-    def started(self, gpus: Sequence[int]) -> None:
+    def started(self, slot: Slot) -> None:
         claim = self._claim
         parameters = self._sweep._scenario.parameters
         constants = {name: value for name, value in claim.params.items()
                      if name in parameters and parameters[name].type == "constant"}
         self._sweep.store.set_system(claim.number, SYS_STARTED, {
-            "slot": self._slot.index, "gpus": ",".join(map(str, gpus)), "folder": str(claim.folder),
+            "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "folder": str(claim.folder),
             "pid": os.getpid(), "at": time.time(), "constants": constants})
         running = self._running()
         if running is not None:
             running.started = True
         self._sweep._full.written(claim.number)  # its files were
-        self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, self._slot.describe(),
+        self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, slot.describe(),
                                     claim.folder, claim.repeat_of))
         fault_point("started", claim.number)
 

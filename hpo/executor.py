@@ -125,8 +125,9 @@ class TrialControl(Protocol):
     """
 
     @abstractmethod
-    def started(self, gpus: Sequence[int]) -> None:
-        """The trial's process started, on these GPU ids (empty on CPU)."""
+    def started(self, slot: Slot) -> None:
+        """The trial's process started on ``slot``: its GPU ids (empty on CPU), share of them
+        and threads as the process has them (on a Dask worker, the worker's)."""
 
     @abstractmethod
     def intermediate(self, step: int, value: float) -> bool:
@@ -214,7 +215,7 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
         return control.end_request() or ("pruned" if pruned_at is not None else None)
 
     env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
-    control.started(spec.slot.gpus)
+    control.started(spec.slot)
     watch = _Watch()
     process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
     exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)

@@ -34,7 +34,7 @@ from hpo.dask_executor import (
     open_cluster,
     worker_gpus,
 )
-from hpo.engine import Sweep, SweepConfig
+from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.errors import InputError
 from hpo.executor import LocalExecutor, TrialControl, TrialSpec, saved_result
 from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
@@ -251,13 +251,26 @@ def sweep_scenario(write_scenario: WriteScenario, folder: Path, trials: int, sle
                           resources={"timeout": 60, **resources})
 
 
-def run_sweep(path: Path, executor: DaskExecutor) -> Sweep:
+class Starts:
+    """An observer that keeps where each trial started, in words."""
+
+    def __init__(self) -> None:
+        self.where: dict[int, str] = {}
+
+    def started(self, start: TrialStart) -> None:
+        self.where[start.number] = start.where
+
+    def finished(self, end: TrialEnd) -> None:
+        """Nothing to keep."""
+
+
+def run_sweep(path: Path, executor: DaskExecutor, observer: Starts | None = None) -> Sweep:
     scenario = load_scenario(path)
     workdir = path.parent / "work"
     sweep = Sweep(SweepConfig(scenario, f"sqlite:///{path.parent / 'study.db'}", workdir, executor.plan(), 1),
                   executor)
     sweep.prepare()
-    sweep.run()
+    sweep.run(observer)
     return sweep
 
 
@@ -274,9 +287,12 @@ def test_trials_run_inside_the_gpu_worker_on_its_own_gpus(cluster: LocalDask, wr
     path = sweep_scenario(write_scenario, tmp_path, trials=4, sleep=1.0, gpus_per_trial=1, parallel="auto")
     executor = open_cluster(Cluster(address=cluster.address), load_scenario(path).resources, timeout=10)
     assert executor.options.restricted == ("GPU",) and len(executor.plan()) == 2
-    sweep = run_sweep(path, executor)
+    starts = Starts()
+    sweep = run_sweep(path, executor, starts)
     rows = sweep.store.rows()
     assert [row.outcome for row in rows] == [Outcome.COMPLETE] * 4
+    assert sorted(starts.where.values()) == sorted(f"1 process on GPU {row.gpus}" for row in rows), \
+        "the sweep says the GPU the worker gave each trial (it said '1 CPU process of 1 thread')"
     pids = cluster.pids()
     seen = [where(Path(row.folder)) for row in rows]
     gpu_worker = next(address for address, info in cluster.client.scheduler_info()["workers"].items()
@@ -365,8 +381,8 @@ class Control(TrialControl):
         self.end = end
         self.stopping = False
 
-    def started(self, gpus: Any) -> None:
-        self.gpus = tuple(gpus)
+    def started(self, slot: Slot) -> None:
+        self.gpus = slot.gpus
 
     def intermediate(self, step: int, value: float) -> bool:
         self.values.append((step, value))

@@ -68,7 +68,7 @@ class RefusedByTheMachine:
     is called, then the start is refused (:func:`hpo.launch.run_process` raises)."""
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
-        control.started(spec.slot.gpus)
+        control.started(spec.slot)
         raise ExecutorUnavailable("cannot start a trial's process: Too many open files (a limit of this machine "
                                   "or of hpo's shell, not the trial's fault)")
 

@@ -86,8 +86,8 @@ class Control(TrialControl):
         self.end = end
         self.ask_s = ask_s
 
-    def started(self, gpus: Sequence[int]) -> None:
-        self.gpus = gpus
+    def started(self, slot: Slot) -> None:
+        self.gpus = slot.gpus
 
     def intermediate(self, step: int, value: float) -> bool:
         time.sleep(self.ask_s)
@@ -370,7 +370,7 @@ def test_the_sweeps_control_and_a_dask_workers_are_one_trial_control() -> None:
     assert issubclass(_Control, TrialControl) and issubclass(_WorkerControl, TrialControl)
 
     class WithoutRecord(TrialControl):
-        def started(self, gpus: Sequence[int]) -> None:
+        def started(self, slot: Slot) -> None:
             """Nothing to note."""
 
         def intermediate(self, step: int, value: float) -> bool:

@@ -6,7 +6,6 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from hpo.executor import LocalExecutor, TrialControl, TrialSpec
@@ -23,7 +22,7 @@ class Control(TrialControl):
         self.values: list[tuple[int, float]] = []
         self.prune_at = prune_at
 
-    def started(self, gpus: Sequence[int]) -> None:
+    def started(self, slot: Slot) -> None:
         """Nothing to record."""
 
     def intermediate(self, step: int, value: float) -> bool:

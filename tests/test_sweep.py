@@ -33,7 +33,7 @@ class FakeExecutor:
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
         self.specs.append(spec)
-        control.started(spec.slot.gpus)
+        control.started(spec.slot)
         for step in range(self.steps):
             if control.intermediate(step, float(spec.params["x"]) + 1.0 / (step + 1)):
                 return TrialResult(Outcome.PRUNED, reason=f"pruned at step {step}", step=step)
@@ -176,7 +176,7 @@ class RepeatingExecutor(FakeExecutor):
     """Reports NaN, then a value, at one step, then completes."""
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
-        control.started(spec.slot.gpus)
+        control.started(spec.slot)
         control.intermediate(1, float("nan"))
         control.intermediate(1, 0.5)
         return TrialResult(Outcome.COMPLETE, float(spec.params["x"]), {}, 0.01)
