@@ -773,7 +773,7 @@ class DaskExecutor:
         self._failures_told = 0
         self.broken: str | None = None
         self._auto_slots: int | None = None  # slots planned from the workers connected then (parallel: auto)
-        self._told_capacity = 0
+        self._slots_now: int | None = None  # more slots than planned: what the workers connected later take
         self._full = _FullWorkers(say)
         self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
         self._subscribe()
@@ -820,7 +820,7 @@ class DaskExecutor:
         self._failures_told = len(failures)
         infos = list(workers.values())
         takes = [self._takes(info) for info in infos]
-        self._tell_unused(sum(takes))
+        self._grow(sum(takes))
         if any(takes):
             self._told_waiting = None
             return
@@ -834,17 +834,20 @@ class DaskExecutor:
             self._told_waiting = kind
             self._tell_waiting(waiting, infos)
 
-    def _tell_unused(self, takes: int) -> None:
-        """Say, once for each new high, that the workers connected now take ``takes`` trials at
-        once, more than the slots planned from those connected when the sweep started."""
-        if self._auto_slots is None or takes <= max(self._auto_slots, self._told_capacity):
+    def slots_now(self) -> int | None:
+        """See :class:`hpo.executor.Executor`: where the slots were planned from the workers
+        connected then (``resources.parallel: auto``), what the workers connected now take at
+        once, once that is more; they never shrink (a trial waits in Dask's queue for a worker)."""
+        return self._slots_now
+
+    def _grow(self, takes: int) -> None:
+        """Grow the slots planned from the workers connected then to ``takes``, the trials the
+        workers connected now take at once, where that is more; say so."""
+        if self._auto_slots is None or takes <= max(self._auto_slots, self._slots_now or 0):
             return
-        self._told_capacity = takes
-        self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once; this sweep runs "
-                  f"{plural(self._auto_slots, 'slot')}, planned from the workers connected when it started "
-                  f"(resources.parallel: auto); `hpo worker SCENARIO --cluster {self.address}` (with this sweep's "
-                  "--storage and --workdir) joins it with slots of its own, and resources.parallel plans that many "
-                  "slots next time")
+        self._slots_now = takes
+        self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once: this sweep runs "
+                  f"{plural(takes, 'slot')} (resources.parallel: auto)")
 
     def _tell_waiting(self, waiting: int, infos: Sequence[Mapping[str, Any]]) -> None:
         """Say that ``waiting`` trials wait in Dask's queue: no worker is connected, or none of

@@ -40,9 +40,9 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -364,19 +364,33 @@ class Sweep:
         gone, self._gone = self._gone, []
         self._found_gone(gone)
         self.watchdog.start(self._on_fatal)
-        slots = [threading.Thread(target=self._slot_loop, args=(slot,), name=f"hpo-slot-{slot.index}")
-                 for slot in self.config.slots]
-        for thread in slots:
-            thread.start()
+        slots: list[Slot] = []
+        threads: list[threading.Thread] = []
+        self._add_slots(slots, threads, self.config.slots)
         try:
-            for thread in slots:
-                while thread.is_alive():  # short joins: the signal handlers run in this thread
-                    thread.join(0.2)
+            while running := [thread for thread in threads if thread.is_alive()]:
+                running[0].join(0.2)  # short joins: the signal handlers run in this thread
+                self._grow(slots, threads)
         finally:
             self.watchdog.stop()
             self._executor.close()
         if self._fatal is not None:
             raise self._fatal
+
+    def _add_slots(self, slots: list[Slot], threads: list[threading.Thread], more: Sequence[Slot]) -> None:
+        """Start a thread for each slot of ``more``."""
+        for slot in more:
+            thread = threading.Thread(target=self._slot_loop, args=(slot,), name=f"hpo-slot-{slot.index}")
+            thread.start()
+            slots.append(slot)
+            threads.append(thread)
+
+    def _grow(self, slots: list[Slot], threads: list[threading.Thread]) -> None:
+        """Add the slots that the executor has room for now (a Dask cluster's workers that
+        connected later), as many as the budget's trials at most, while the sweep runs."""
+        want = min(self._executor.slots_now() or 0, self.budget)
+        if want > len(slots) and not self._stopping.is_set():
+            self._add_slots(slots, threads, [replace(slots[0], index=index) for index in range(len(slots), want)])
 
     def _on_fatal(self, error: BaseException) -> None:
         """Stop the sweep for ``error``, which :meth:`run` raises, unless it is a wait for the

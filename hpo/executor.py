@@ -154,6 +154,10 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release what the executor holds (called once, when the sweep ends)."""
 
+    def slots_now(self) -> int | None:
+        """How many slots the sweep may run now, where that grows while it runs (the workers
+        of a Dask cluster that connect later); None: the slots it planned. Cheap: no round trip."""
+
 
 class LocalExecutor:
     """Runs each trial's process tree on this machine, in the trial's folder."""
@@ -164,6 +168,9 @@ class LocalExecutor:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def slots_now(self) -> None:
+        """This machine's slots do not grow."""
 
 
 def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,

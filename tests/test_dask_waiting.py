@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import WriteScenario, cli_env, run_hpo
 from distributed import Client
-from test_dask import Control, LocalDask, Running, own_cluster, trial_spec, wait_for
+from test_dask import Control, LocalDask, Running, held, own_cluster, trial_spec, wait_for
 
 from hpo import dask_executor
 from hpo.dask_executor import DaskExecutor
 from hpo.outcome import Outcome
+from hpo.render import LOG_FILE
 from hpo.scenario import Resources
 
 __all__ = ["own_cluster"]  # the fixture, shared with tests/test_dask.py
@@ -202,9 +203,9 @@ def test_the_resources_a_hint_names_are_one_shell_word() -> None:
     assert dask_executor._amounts({"GPU": 1, "CPU": 2.0}) == "GPU=1,CPU=2"
 
 
-def test_workers_that_join_after_the_plan_are_said_with_how_to_use_them(tmp_path: Path) -> None:
+def test_workers_that_join_after_the_plan_grow_the_slots(tmp_path: Path) -> None:
     """With resources.parallel: auto, the slots are planned from the workers connected when the
-    sweep starts; a worker that joined later sat idle for the whole sweep, unsaid."""
+    sweep starts; a worker that joined later sat idle for the whole sweep."""
     dask = LocalDask(tmp_path / "dask")
     dask.worker("first", 1)
     said: list[str] = []
@@ -212,13 +213,60 @@ def test_workers_that_join_after_the_plan_are_said_with_how_to_use_them(tmp_path
                             scheduler_lost_s=10, say=said.append)
     try:
         wait_for(lambda: executor.capacity() == 1, "the first worker did not connect", 10)
-        assert len(executor.plan()) == 1
+        assert len(executor.plan()) == 1 and executor.slots_now() is None
         dask.worker("later", 2)
         wait_for(lambda: said, "the worker that joined was not said", 10)
+        assert executor.slots_now() == 3
     finally:
         executor.close()
         dask.close()
-    assert said == [(f"hpo: the Dask workers connected now take 3 trials at once; this sweep runs 1 slot, planned from "
-                     "the workers connected when it started (resources.parallel: auto); `hpo worker SCENARIO --cluster "
-                     f"{dask.address}` (with this sweep's --storage and --workdir) joins it with slots of its own, and "
-                     "resources.parallel plans that many slots next time")]
+    assert said == [("hpo: the Dask workers connected now take 3 trials at once: this sweep runs 3 slots "
+                    "(resources.parallel: auto)")]
+
+
+def test_a_set_parallel_does_not_grow(tmp_path: Path) -> None:
+    dask = LocalDask(tmp_path / "dask")
+    dask.worker("first", 1)
+    said: list[str] = []
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(parallel=1),
+                            offered=(), scheduler_lost_s=10, say=said.append)
+    try:
+        assert len(executor.plan()) == 1
+        dask.worker("later", 2)
+        wait_for(lambda: executor.capacity() == 3, "the later worker did not connect", 10)
+        time.sleep(2 * dask_executor.WATCH_S)
+        assert executor.slots_now() is None and not said
+    finally:
+        executor.close()
+        dask.close()
+
+
+def test_a_sweep_runs_trials_on_workers_that_join_while_it_runs(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """``hpo run --cluster`` started with one worker of one thread; a worker of two threads
+    joins: three trials run at once (of four: the first slot holds the trial it claimed ahead)."""
+    dask = LocalDask(tmp_path / "dask")
+    dask.worker("first", 1)
+    hold = tmp_path / "hold"
+    hold.touch()
+    path = write_scenario(tmp_path, template_text=held(hold), search={"trials": 4, "seed": 3},
+                          resources={"timeout": 60, "parallel": "auto"})
+    run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--cluster", dask.address],
+                           env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [path.parent / "runs" / "demo" / f"trial-{number:04d}" / LOG_FILE for number in range(4)]
+    try:
+        wait_for(lambda: "held" in (logs[0].read_text() if logs[0].exists() else ""), "the first trial did not start")
+        dask.worker("later", 2)
+        wait_for(lambda: sum("held" in (log.read_text() if log.exists() else "") for log in logs) == 3,
+                 "three trials did not run at once")
+        hold.unlink()
+        out, _ = run.communicate(timeout=60)
+    finally:
+        hold.unlink(missing_ok=True)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        dask.close()
+    assert run.returncode == 0, out
+    assert ("hpo: the Dask workers connected now take 3 trials at once: this sweep runs 3 slots "
+            "(resources.parallel: auto)") in out
+    assert "4/4 trials done: 4 complete." in out

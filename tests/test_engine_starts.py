@@ -75,6 +75,9 @@ class RefusedByTheMachine:
     def close(self) -> None:
         """Nothing to release."""
 
+    def slots_now(self) -> None:
+        """The slots planned."""
+
 
 def test_a_start_refused_by_a_machine_limit_is_not_announced_as_started(
         tmp_path: Path, write_scenario: WriteScenario) -> None:

@@ -48,6 +48,9 @@ class FakeExecutor:
     def close(self) -> None:
         self.closed = True
 
+    def slots_now(self) -> None:
+        """The slots planned."""
+
 
 def make(tmp_path: Path, write_scenario: WriteScenario, executor: FakeExecutor, parallel: int = 2,
          **search: object) -> Sweep:
