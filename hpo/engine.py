@@ -712,7 +712,8 @@ class _Control(TrialControl):
         constants = {name: value for name, value in claim.params.items()
                      if name in parameters and parameters[name].type == "constant"}
         self._sweep.store.set_system(claim.number, SYS_STARTED, {
-            "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "folder": str(claim.folder),
+            "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "where": slot.describe(),
+            "folder": str(claim.folder),
             "pid": os.getpid(), "at": time.time(), "constants": constants})
         running = self._running()
         if running is not None:
