@@ -80,6 +80,7 @@ def _quiet_step_warnings() -> None:
     warnings.filterwarnings("ignore", message="All-NaN slice encountered", category=RuntimeWarning)
 
 CLAIM_POLL_S = 1.0
+AHEAD_POLL_S = 0.05  # how often a slot with nothing to claim looks again while claims ahead are under way
 FIRST_PAUSE_S = 0.2  # the first pause before a trial's files are written again on a full disk
 STOPPING_STORE_RETRY_S = 10.0  # once stopping, how long a failing store call still retries
 
@@ -250,6 +251,8 @@ class Sweep:
         self._executor = executor or LocalExecutor()
         self._observer: Observer | None = None
         self._running: dict[int, _Running] = {}
+        self._ahead: dict[int, Claim] = {}  # slot index: a design's trial claimed ahead, not started yet
+        self._ahead_claims = 0  # claims ahead under way
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
@@ -422,7 +425,7 @@ class Sweep:
         settled: Future[None] | None = None
         try:
             while claimed is not None and not self._stopping.is_set():
-                ahead = books.submit(self._claim) if books else None
+                ahead = books.submit(self._claim_ahead, slot) if books else None
                 result = self._verdict(claimed, self._execute(slot, claimed))
                 self._announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
@@ -430,7 +433,7 @@ class Sweep:
                     claimed = self._next_claim()
                     continue
                 settled = books.submit(self._settle, claimed, result)
-                following = ahead.result()
+                following = self._take_ahead(slot, ahead.result())
                 if isinstance(following, Claim) and not self._still_held(following):
                     following = None
                 if not isinstance(following, Claim) or self._stopping.is_set():
@@ -456,9 +459,45 @@ class Sweep:
             if isinstance(claimed, Claim):
                 return claimed
             if claimed is None:
-                return None
+                return self._take_any_ahead()
             self._stopping.wait(CLAIM_POLL_S)
         return None
+
+    def _claim_ahead(self, slot: Slot) -> Claim | str | None:
+        """A design's next trial for ``slot``, claimed while its current trial runs; until
+        the slot takes it (:meth:`_take_ahead`), a slot that frees up with nothing left to
+        claim may take it (:meth:`_take_any_ahead`) and run it at once."""
+        with self._lock:
+            self._ahead_claims += 1
+        claimed: Claim | str | None = None
+        try:
+            claimed = self._claim()
+        finally:
+            with self._lock:
+                self._ahead_claims -= 1
+                if isinstance(claimed, Claim):
+                    self._ahead[slot.index] = claimed
+        return claimed
+
+    def _take_ahead(self, slot: Slot, claimed: Claim | str | None) -> Claim | str | None:
+        """What :meth:`_claim_ahead` returned for ``slot``: None where another slot took it."""
+        if not isinstance(claimed, Claim):
+            return claimed
+        with self._lock:
+            return self._ahead.pop(slot.index, None)
+
+    def _take_any_ahead(self) -> Claim | None:
+        """A trial that another slot claimed ahead and has not started (waiting for the claims
+        ahead under way), for a slot that found nothing left to claim; None where there is none."""
+        while True:
+            with self._lock:
+                if self._ahead:
+                    claim = self._ahead.pop(next(iter(self._ahead)))
+                    break
+                if not self._ahead_claims or self._stopping.is_set():
+                    return None
+            time.sleep(AHEAD_POLL_S)
+        return claim if self._still_held(claim) else self._take_any_ahead()
 
     def _claim(self) -> Claim | str | None:
         def section() -> Claim | str | None:

@@ -207,3 +207,33 @@ def test_a_slot_announces_a_trial_s_end_before_its_next_start(tmp_path: Path, wr
     sweep = make(tmp_path, write_scenario, FakeExecutor(), parallel=1)
     sweep.run(Ordered())
     assert events == [f"{what} {n}" for n in range(6) for what in ("start", "end")]
+
+
+class UnevenExecutor(FakeExecutor):
+    """Trial 0 runs ``long_s``, the others at once; keeps when each ran, on which slot."""
+
+    def __init__(self, long_s: float) -> None:
+        super().__init__(steps=0)
+        self.long_s = long_s
+        self.spans: dict[int, tuple[int, float, float]] = {}
+
+    def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
+        start = time.monotonic()
+        control.started(spec.slot)
+        time.sleep(self.long_s if spec.number == 0 else 0.02)
+        self.spans[spec.number] = (spec.slot.index, start, time.monotonic())
+        return TrialResult(Outcome.COMPLETE, float(spec.params["x"]), {"test_error": 1.0}, 0.01)
+
+
+@pytest.mark.parametrize("parallel", [2, 4])
+def test_a_design_trial_claimed_ahead_runs_on_a_slot_that_frees_up(tmp_path: Path, write_scenario: WriteScenario,
+                                                                   parallel: int) -> None:
+    """A design's slot claims its next trial while its trial runs; a slot that found nothing
+    left to claim ended, and that trial waited for the long trial to end before it started."""
+    executor = UnevenExecutor(long_s=2.0)
+    sweep = make(tmp_path, write_scenario, executor, parallel=parallel)
+    sweep.run()
+    assert sorted(executor.spans) == list(range(6))
+    long_end = executor.spans[0][2]
+    assert all(end < long_end for number, (_, _, end) in executor.spans.items() if number), executor.spans
+    assert {row.outcome for row in sweep.store.rows()} == {Outcome.COMPLETE}
