@@ -76,7 +76,17 @@ def _writing_context(args: argparse.Namespace, existing_study: bool = False) -> 
     _claim_workdir(ctx, _workdir_flag(args))
     if not _started_by_run(args):  # hpo run checked for its workers, which ride out a store down at their start
         _same_study(ctx, _workdir_flag(args), lambda: _study_created(ctx))
+        _note_left_out(ctx)
     return ctx
+
+
+def _note_left_out(ctx: Context) -> None:
+    """Print a ``note:`` line for each link of a template folder that leads nowhere, which the
+    trial folders go without (:func:`hpo.render.left_out_links`)."""
+    from hpo.render import left_out_links
+
+    for line in left_out_links(ctx.scenario.template):
+        print(f"note: {line}", flush=True)
 
 
 def _check_submit(ctx: Context) -> None:
@@ -636,19 +646,14 @@ def _csv(value: float | None) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write one row per trial, in trial-number order, to -o FILE (or stdout)."""
+    """Write one row per trial, in trial-number order, to -o FILE (or stdout). A file that
+    cannot be written is bad input (it names -o); a stdout that refuses the CSV ends the
+    command as it ends the others (``error: cannot write to stdout: ...``, exit 1: :mod:`hpo.output`)."""
     from hpo.launch import plural
 
     ctx = _context(args)
     if args.output in (None, "-"):
-        rows = _snapshot(ctx)
-        try:
-            export_rows(ctx, sys.stdout, rows)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise InputError(f"-o: cannot write the CSV to stdout: {exc.strerror or exc}") from None
+        export_rows(ctx, sys.stdout, _snapshot(ctx))
         return EXIT_OK
     target = Path(args.output)
     if target.is_dir():
@@ -906,6 +911,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             _check_submit(ctx)
         except InputError as exc:
             print(f"note: {exc}")
+    _note_left_out(ctx)
     return EXIT_OK
 
 
@@ -956,7 +962,8 @@ def _reproduced(metric: str, number: int, before: float | None, after: float | N
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it (exit 0)."""
+    """Serve optuna-dashboard on the study (pip install 'hpo[dashboard]'); Ctrl-C or SIGTERM ends it: the
+    server shuts down between requests, and the command exits as every command does (130 SIGINT, 143 SIGTERM)."""
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -979,15 +986,19 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     print(f"optuna-dashboard on http://{args.host}:{server.server_port}/dashboard/ (study {ctx.scenario.name}; "
           "it lists every study of the store); Ctrl-C ends it", flush=True)
 
+    stopped_by: list[int] = []
+
     def stop(signum: int, frame: Any) -> None:
         """End the server between requests (an exception raised inside one would be swallowed by it)."""
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        if not stopped_by:
+            stopped_by.append(signum)
+            threading.Thread(target=server.shutdown, daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # even where the shell started us with SIGINT ignored
         signal.signal(sig, stop)
     with server:
         server.serve_forever(poll_interval=0.2)
-    return EXIT_OK
+    return 128 + stopped_by[0] if stopped_by else EXIT_OK
 
 
 def _serve_flag(exc: OSError) -> str:
@@ -1162,6 +1173,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EMPTY_REFUSED = {  # an option's dest: its flag, and what to give instead of an empty value (an unset "$DB")
+    "storage": ("--storage", "give a URL such as sqlite:///path/study.db"),
+    "workdir": ("--workdir", "give a folder, or leave --workdir out for runs/<name> beside the scenario"),
+    "output": ("-o", "give a path, or leave -o out"),
+    "copy_to": ("--copy-to", "give a folder to copy the best trial's folder to"),
+}
+
+
+def _refuse_empty(args: argparse.Namespace) -> None:
+    """InputError for a path or URL option given an empty value (:data:`EMPTY_REFUSED`), which
+    would otherwise read as not given and send the command to the default store or folder."""
+    for dest, (flag, hint) in EMPTY_REFUSED.items():
+        if getattr(args, dest, None) == "":
+            raise InputError(f"{flag}: empty; {hint}")
+
+
 def _start_forest_helper(scenario_path: str) -> None:
     """Start smac's forest helper (:mod:`hpo.forest_service`) before anything slow, where the
     scenario file asks for smac: it imports scikit-learn while this process imports Optuna and
@@ -1200,6 +1227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if getattr(args, "handler", None) is None:
             raise InputError(f"a command is needed: {', '.join(c.name for c in COMMANDS)}; see hpo --help")
+        _refuse_empty(args)
         if args.handler is cmd_worker or (args.handler is cmd_run and args.workers == 1):
             _start_forest_helper(args.scenario)
         if args.handler not in (cmd_status, cmd_export, cmd_best):  # these may answer from the row cache

@@ -309,7 +309,8 @@ class ProgressView:
 def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:
     """Turn what the store shows into observer events until ``finished()`` (then once more).
 
-    For watching workers in other processes: a trial seen RUNNING is ``started``, a trial
+    For watching workers in other processes: a trial seen RUNNING is ``started`` (where it runs
+    in the words its worker recorded, ``1 process on 1/2 of GPU 2``), a trial
     seen ended is ``finished`` (a LOST one with its worker and the trial queued to run it
     again); each event is sent once.
     """
@@ -325,9 +326,9 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
         for row in rows:
             if row.outcome is Outcome.RUNNING and row.number not in started:
                 started.add(row.number)
-                observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot,
-                                            f"GPUs {gpu_cell(row.gpus, share)}" if row.gpus else "", Path(row.folder),
-                                            repeat_of(row)))
+                where = row.where or (f"GPUs {gpu_cell(row.gpus, share)}" if row.gpus else "")  # older records
+                observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot, where,
+                                            Path(row.folder), repeat_of(row)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
                 result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)

@@ -4,7 +4,8 @@ A template whose name ends in ``.j2``, ``.jinja``, ``.jinja2`` or ``.tmpl`` is r
 written without that suffix; any other file is copied as it is. A folder brings its files,
 rendered or copied the same way, under its own name (``models/``, ``models/net.py``); a link
 to a folder inside it is linked, not copied (``models/data`` links to where ``data`` leads),
-a link that leads nowhere is left out, and one to a folder that holds it is bad input. The syntax is
+a link that leads nowhere (missing, a loop) is left out (:func:`left_out_links` says so, for
+the commands to note), and one to a folder that holds it is bad input. The syntax is
 Jinja2 with StrictUndefined (``{{ lr }}``) or, with ``syntax: dollar``, Rescale's ``${lr}``; a
 Jinja template may include, import or extend the files of its own folder and of the template
 folder it is in. Templates see every parameter by name plus ``trial_number``, ``trial_dir``,
@@ -20,6 +21,7 @@ raise :class:`FolderFull`, which names the file and the room left on its disk.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -186,30 +188,69 @@ class TrialFile:
     link: Path | None = None
 
 
+def _leads_nowhere(link: Path) -> str | None:
+    """Why the symbolic link ``link`` leads nowhere (``links to /x, which does not exist``;
+    ``is a link loop``), or None where it leads to a file or a folder."""
+    try:
+        link.resolve(strict=True)
+    except RuntimeError:  # a loop, before Python 3.13
+        return "is a link loop"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a link loop"
+        target = os.path.realpath(link)
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"links to {target}, which does not exist"
+        return f"links to {target}, which cannot be reached ({exc.strerror or exc})"
+    return None
+
+
 def _link_target(link: Path) -> Path | None:
     """Where the symbolic link ``link`` of a template folder leads; None where it leads nowhere
-    (a missing target, a loop: left out, as an editor's lock file ``.#train.py`` is); InputError
+    (:func:`_leads_nowhere`: left out, as an editor's lock file ``.#train.py`` is); InputError
     where it leads to a folder that holds it (trial folders would hold themselves)."""
-    try:
-        target = link.resolve(strict=True)
-    except (OSError, RuntimeError):  # missing; a loop: RuntimeError, OSError ELOOP from Python 3.13
+    if _leads_nowhere(link) is not None:
         return None
+    target = link.resolve()
     if link.parent.resolve().is_relative_to(target):
         raise InputError(f"template: {link} links to {target}, a folder that holds it")
     return target
 
 
+def _folder_paths(template: Path) -> list[Path]:
+    """Every path below the template folder ``template``, sorted, ``__pycache__`` left out; a
+    linked folder is listed, and not entered."""
+    return [path for path in sorted(template.rglob("*"))  # rglob lists a linked folder, and does not enter it
+            if "__pycache__" not in path.relative_to(template).parts]
+
+
+def left_out_links(templates: Sequence[Path]) -> list[str]:
+    """One line for each link of a template folder that leads nowhere, and is so left out of
+    the trial folders (``template: proj/data links to /datasets/x, which does not exist; left
+    out of the trial folders``); an editor's lock file (``.#train.py``, a link that leads
+    nowhere by design) is left out without a word."""
+    lines = []
+    for template in templates:
+        if not template.is_dir():
+            continue
+        for path in _folder_paths(template):
+            why = _leads_nowhere(path) if path.is_symlink() and not path.name.startswith(".#") else None
+            if why is not None:
+                lines.append(f"template: {path.relative_to(template.parent).as_posix()} {why}; "
+                             "left out of the trial folders")
+    return lines
+
+
 def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool, Path]]:
     """Each file a trial folder gets from ``templates``: (source, name in the folder, rendered
     or copied, the template folder it is in). A folder brings every file below it under its own
-    name, ``__pycache__`` left out; a link to a folder below it comes as that folder (the source),
-    which the trial folder links (:func:`_link_target`)."""
+    name (:func:`_folder_paths`); a link to a folder below it comes as that folder (the source),
+    which the trial folder links (:func:`_link_target`); a link that leads nowhere is left out
+    (:func:`left_out_links` says so)."""
     out = []
     for template in templates:
         if template.is_dir():
-            for path in sorted(template.rglob("*")):  # rglob lists a linked folder, and does not enter it
-                if "__pycache__" in path.relative_to(template).parts:
-                    continue
+            for path in _folder_paths(template):
                 linked = _link_target(path) if path.is_symlink() else None
                 if linked is not None and linked.is_dir():
                     out.append((linked, path.relative_to(template.parent).as_posix(), False, template))

@@ -22,8 +22,9 @@ class TrialRow:
     """One trial as status, export, plots and the progress view show it.
 
     ``params`` include the scenario's constants; ``slot``/``gpus`` say where a running
-    trial runs; ``requeue_of``, ``retry_of`` and ``rerun_of`` name the trial whose
-    configuration this one runs again (lost or interrupted, failed and retried, rerun);
+    trial runs, and ``where`` says it in the words of the plan (``1 process on 1/2 of GPU 2``;
+    '' in records written before it was kept); ``requeue_of``, ``retry_of`` and ``rerun_of``
+    name the trial whose configuration this one runs again (lost or interrupted, failed and retried, rerun);
     ``lost_count``, ``disk_full_count`` and ``retries`` count how often its configuration was
     lost, filled the disk and failed before (:data:`hpo.scheduler.RUN_AGAIN_LIMIT`).
     """
@@ -38,6 +39,7 @@ class TrialRow:
     reason: str
     slot: int | None = None
     gpus: str = ""
+    where: str = ""
     requeue_of: int | None = None
     retry_of: int | None = None
     rerun_of: int | None = None

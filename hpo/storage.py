@@ -291,9 +291,24 @@ def _append_whole(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+_MYSQL_PACKAGES = {"pymysql": "pymysql", "mysqlconnector": "mysql-connector-python", "mariadbconnector": "mariadb"}
+
+
 def _missing_driver(url: str, exc: ImportError) -> InputError:
-    return InputError(f"--storage: the driver for {url.split(':')[0]} is not installed ({exc.name}); "
-                      f"pip install 'hpo[postgres]' for PostgreSQL")
+    """The InputError for a server URL whose driver module ``exc.name`` is missing, with what
+    to install: for MySQL the driver's package (``mysql://`` and ``mysql+mysqldb://``, whose
+    mysqlclient needs a compiler: PyMySQL, with the URL that uses it), else hpo's PostgreSQL extra.
+    Optuna raises its own ImportError from SQLAlchemy's, which names the module."""
+    scheme = url.split(":", 1)[0]
+    module = exc.name or getattr(exc.__cause__, "name", None)
+    base, _, driver = scheme.lower().partition("+")
+    if base == "mysql":
+        package = _MYSQL_PACKAGES.get(driver)
+        hint = f"pip install {package}" if package else \
+            f"pip install pymysql and use {redact('mysql+pymysql' + url[len(scheme):])}"
+    else:
+        hint = "pip install 'hpo[postgres]' for PostgreSQL"
+    return InputError(f"--storage: the driver for {scheme} is not installed{f' ({module})' if module else ''}; {hint}")
 
 
 class _SQLiteConnection(sqlite3.Connection):

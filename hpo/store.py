@@ -127,7 +127,7 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
     return TrialRow(
         number=trial.number, outcome=outcome, params=constants(params) if constants else params,
         value=value, held_out=held_out, duration_s=duration, folder=str(folder), reason=reason,
-        slot=_int(started.get("slot")), gpus=str(started.get("gpus", "")),
+        slot=_int(started.get("slot")), gpus=str(started.get("gpus", "")), where=str(started.get("where", "")),
         requeue_of=_int(user.get(ATTR_REQUEUE_OF)), retry_of=_int(_attr(trial, ATTR_RETRY_OF)),
         rerun_of=_int(user.get(ATTR_RERUN_OF)), design_index=_int(_attr(trial, ATTR_DESIGN_INDEX)),
         lost_count=_int(user.get(ATTR_LOST_COUNT)) or 0, disk_full_count=_int(user.get(ATTR_DISK_FULL_COUNT)) or 0,

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import run_hpo
+from conftest import run_hpo, write_scenario_file
+
+from hpo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "scenarios"
@@ -110,6 +112,28 @@ def test_flags_reach_an_argparse_script(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(r["state"] == "COMPLETE" for r in rows)
     command = (Path(rows[0]["folder"]) / "command.txt").read_text()
     assert f"--lr {rows[0]['lr']}" in command and "--optimizer" in command
+
+
+STORAGE_HINT = "--storage: empty; give a URL such as sqlite:///path/study.db"
+WORKDIR_HINT = "--workdir: empty; give a folder, or leave --workdir out for runs/<name> beside the scenario"
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("run", "--storage", ""), STORAGE_HINT),
+    (("worker", "--storage", ""), STORAGE_HINT),
+    (("run", "--workdir", ""), WORKDIR_HINT),
+    (("status", "--workdir", ""), WORKDIR_HINT),
+    (("export", "-o", ""), "-o: empty; give a path, or leave -o out"),
+    (("plot", "--output", ""), "-o: empty; give a path, or leave -o out"),
+    (("best", "--copy-to", ""), "--copy-to: empty; give a folder to copy the best trial's folder to"),
+], ids=["run-storage", "worker-storage", "run-workdir", "status-workdir", "export-o", "plot-o", "best-copy-to"])
+def test_an_empty_path_or_url_is_refused_not_taken_for_no_option(args: tuple[str, ...], said: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--storage "$DB"`` with DB unset ran the sweep into the default store."""
+    scenario = write_scenario_file(tmp_path)
+    assert main([args[0], str(scenario), *args[1:]]) == 2
+    assert capsys.readouterr() == ("", f"error: {said}\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["scenario.yaml", "train.py.j2"]
 
 
 def test_shipped_scenarios_validate() -> None:

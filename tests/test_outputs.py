@@ -9,10 +9,12 @@ import io
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -143,15 +145,18 @@ def test_export_to_a_full_disk_is_one_line_and_exit_2(study: Path, capsys: pytes
     assert (captured.out, captured.err) == ("", "error: -o: cannot write /dev/full: No space left on device\n")
 
 
-def test_export_to_a_full_stdout_is_one_line_and_exit_2(study: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("args", [(), ("-o", "-")], ids=["no-o", "o-dash"])
+def test_export_to_a_full_stdout_ends_as_status_does_with_exit_1(args: tuple[str, ...], study: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """It exited 2, for bad input, blaming -o, which was not given."""
     full = open("/dev/full", "w")  # noqa: SIM115 (its close fails too: what is left in its buffer)
     monkeypatch.setattr(sys, "stdout", full)
-    assert main(["export", str(study)]) == 2
+    assert main(["export", str(study), *args]) == 1
     monkeypatch.undo()
     with contextlib.suppress(OSError):
         full.close()
-    assert capsys.readouterr().err == "error: -o: cannot write the CSV to stdout: No space left on device\n"
+    assert capsys.readouterr().err == "error: cannot write to stdout: No space left on device\n"
 
 
 def test_an_export_that_fails_midway_leaves_the_last_file_whole(study: Path, monkeypatch: pytest.MonkeyPatch,
@@ -279,3 +284,30 @@ def test_a_dashboard_that_cannot_listen_blames_the_host_or_the_port(host: str, f
     assert captured.err.count("\n") == 1
     if why is not None:
         assert captured.err.endswith(f": {why}\n")
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_dashboard_ended_by_a_signal_exits_as_every_command_does(signum: int, code: int, study: Path) -> None:
+    """It exited 0 on Ctrl-C and on SIGTERM; its server is shut down first, and says nothing more."""
+    pytest.importorskip("optuna_dashboard")
+    server = subprocess.Popen([sys.executable, "-m", "hpo", "dashboard", str(study), "--port", "0"], env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        url = re.search(r"http://\S+/dashboard/", server.stdout.readline())
+        assert url is not None, server.communicate(timeout=30)
+        api = url[0].removesuffix("dashboard/") + "api/studies"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(api, timeout=5) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the dashboard never answered"
+                time.sleep(0.2)
+        server.send_signal(signum)
+        out, err = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert (server.returncode, out, err) == (code, "", "")

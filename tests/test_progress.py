@@ -12,7 +12,7 @@ from rich.console import Console
 
 from hpo.engine import TrialEnd, TrialStart
 from hpo.outcome import Outcome, TrialResult
-from hpo.progress import ProgressView, Tally, end_line, eta, summary_line, tally
+from hpo.progress import ProgressView, Tally, end_line, eta, follow_store, summary_line, tally
 from hpo.rows import TrialRow
 from hpo.scenario import Scenario, load_scenario
 
@@ -138,6 +138,23 @@ def test_the_live_view_gives_a_running_trials_share_of_its_gpu(tmp_path: Path, w
     out = io.StringIO()
     Console(file=out, width=200).print(view._render())
     assert any(line.split()[:3] == ["3", "1", "1"] and "(1/2)" in line for line in out.getvalue().splitlines())
+
+
+def test_workers_start_lines_say_where_the_trial_runs_as_a_single_run_does(tmp_path: Path,
+                                                                           write_scenario: WriteScenario) -> None:
+    """Under ``hpo run --workers K`` they said ``(GPUs 2 (1/2))``, or nothing on the CPU; a
+    record written before the placement was kept still gives its GPUs."""
+    scenario = load_scenario(write_scenario(tmp_path, resources={"gpus_per_trial": 0.5, "parallel": 2}))
+    running = TrialRow(number=3, outcome=Outcome.RUNNING, params={"x": 0.5}, value=None, held_out={}, duration_s=None,
+                       folder="trial-3", reason="", slot=1, gpus="2", where="1 process on 1/2 of GPU 2")
+    on_cpu = replace(running, number=4, slot=0, gpus="", where="2 CPU processes of 1 thread")
+    older = replace(running, number=5, slot=0, where="")
+    out = io.StringIO()
+    view = ProgressView(Store(scenario), 8, "2 slots", Console(file=out, width=300))  # type: ignore[arg-type]
+    follow_store(Store(scenario, (running, on_cpu, older)), view, lambda: True)  # type: ignore[arg-type]
+    assert out.getvalue().splitlines() == ["trial 3 started on slot 1 (1 process on 1/2 of GPU 2): x=0.5",
+                                           "trial 4 started on slot 0 (2 CPU processes of 1 thread): x=0.5",
+                                           "trial 5 started on slot 0 (GPUs 2 (1/2)): x=0.5"]
 
 
 def test_trials_done_past_a_lowered_budget_are_said_plainly() -> None:

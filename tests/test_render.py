@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from hpo.cli import main
 from hpo.errors import InputError
 from hpo.launch import check_command
-from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, trial_folder, write_files
+from hpo.render import COMMAND_FILE, PARAMS_FILE, Renderer, left_out_links, trial_folder, write_files
 from hpo.scenario import Scenario, load_scenario
 
 WriteScenario = Callable[..., Path]
@@ -423,11 +424,39 @@ def test_a_link_that_leads_back_is_an_input_error_and_one_that_leads_nowhere_is_
     (project / "loop2").symlink_to("loop1")
     path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py")
     assert Renderer(load_scenario(path)).names == ("project/train.py",)
+    assert left_out_links(load_scenario(path).template) == [
+        "template: project/loop1 is a link loop; left out of the trial folders",
+        "template: project/loop2 is a link loop; left out of the trial folders"]
     (project / "up").symlink_to("..")
     with pytest.raises(InputError) as raised:
         Renderer(load_scenario(path))
     sc = (tmp_path / "sc").resolve()
     assert str(raised.value) == f"template: {sc / 'project' / 'up'} links to {sc}, a folder that holds it"
+
+
+def test_a_link_that_leads_nowhere_is_noted_once_by_validate_and_run(tmp_path: Path, write_scenario: WriteScenario,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A broken ``data -> /datasets/x`` gave trials without ``data``, and not a word; an
+    editor's lock file (``.#train.py``), a link that leads nowhere by design, is still left out quietly."""
+    monkeypatch.setenv("HPO_GPUS", "")
+    project = tmp_path / "sc" / "project"
+    project.mkdir(parents=True)
+    (project / "train.py").write_text("print('val_error=0.5 test_error=0.5')\n")
+    (project / ".#train.py").symlink_to("root@host.1234:1700000000")
+    (project / "data").symlink_to(tmp_path / "datasets" / "x")
+    path = write_scenario(tmp_path / "sc", template=["project"], template_text=None, command="python project/train.py",
+                          search={"trials": 1})
+    note = (f"note: template: project/data links to {tmp_path.resolve() / 'datasets' / 'x'}, which does not exist; "
+            "left out of the trial folders")
+    assert main(["validate", str(path)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("ok: demo: ") and said[-1] == note and said.count(note) == 1
+    assert main(["run", str(path)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == note and said.count(note) == 1 and not any(".#" in line for line in said)
+    assert sorted(p.name for p in (tmp_path / "sc" / "runs" / "demo" / "trial-0000" / "project").iterdir()) == [
+        "train.py"]
 
 
 def test_a_link_to_a_folder_of_the_template_folder_leads_to_its_rendered_copy(

@@ -52,7 +52,8 @@ def study(scenario: Scenario, url: str) -> StudyStore:
 
 def test_rows_survive_the_round_trip_through_plain_data() -> None:
     row = TrialRow(7, Outcome.STOPPED, {"lr": 0.1, "opt": "adam"}, None, {"test_error": 0.5}, 1.5, "/f", "stopped",
-                   slot=1, gpus="0,1", requeue_of=3, design_index=2, lost_count=1, retries=2)
+                   slot=1, gpus="0,1", where="2 processes on GPUs 0,1", requeue_of=3, design_index=2, lost_count=1,
+                   retries=2)
     assert row_from_list(row_to_list(row)) == row
 
 

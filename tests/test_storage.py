@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing
 import os
 import sqlite3
@@ -302,6 +303,23 @@ def test_ask_lock_is_released_on_error(url: str) -> None:
 def test_unknown_schemes_are_bad_input_naming_the_flag(url: str) -> None:
     with pytest.raises(InputError, match=r"^--storage: cannot open .*: the URL must be one of sqlite:///PATH"):
         check_url(url)
+
+
+@pytest.mark.parametrize(("url", "module", "hint"), [
+    ("mysql://u:p@127.0.0.1/db", "MySQLdb", "pip install pymysql and use mysql+pymysql://u:***@127.0.0.1/db"),
+    ("mysql+pymysql://u@127.0.0.1/db", "pymysql", "pip install pymysql"),
+    ("mysql+mysqlconnector://u@127.0.0.1/db", "mysql", "pip install mysql-connector-python"),
+    ("postgresql+psycopg2://u@127.0.0.1/db", "psycopg2", "pip install 'hpo[postgres]' for PostgreSQL"),
+])
+@pytest.mark.parametrize("opened", [reach, open_storage], ids=["reach", "open"])
+def test_a_missing_driver_says_what_to_install_for_its_database(url: str, module: str, hint: str,
+                                                                opened: Callable[[str], Any]) -> None:
+    """A MySQL URL was told to pip install 'hpo[postgres]' for PostgreSQL."""
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    with pytest.raises(InputError) as raised:
+        opened(url)
+    assert str(raised.value) == f"--storage: the driver for {url.split(':')[0]} is not installed ({module}); {hint}"
 
 
 def test_optuna_url_for_journal_files_is_python_that_opens_them(tmp_path: Path) -> None:

@@ -237,11 +237,22 @@ def test_claimed_but_not_started_shows_waiting_and_goes_back(scenario: Scenario,
     store.set_system(started.number, SYS_STARTED, {"slot": 0, "gpus": "1", "folder": "/w/t1"})
     rows = store.rows()
     assert [r.outcome for r in rows] == [Outcome.WAITING, Outcome.RUNNING]
-    assert (rows[1].slot, rows[1].gpus, rows[1].folder) == (0, "1", "/w/t1")
+    assert (rows[1].slot, rows[1].gpus, rows[1].where, rows[1].folder) == (0, "1", "", "/w/t1")  # recorded before where
     assert store.back_to_waiting(claimed.number)
     assert store.trial(claimed.number).state == TrialState.WAITING
     again = store.ask()
     assert again.number == claimed.number and again.params == claimed.params
+
+
+def test_a_started_trial_s_row_says_where_it_runs_as_its_worker_recorded_it(scenario: Scenario, url: str) -> None:
+    """hpo run --workers K printed its workers' start lines from the rows, which kept only the GPU ids."""
+    store = StudyStore(scenario, url)
+    trial = store.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    store.set_system(trial.number, SYS_STARTED, {"slot": 1, "gpus": "2", "where": "1 process on 1/2 of GPU 2",
+                                                 "folder": "/w/t0"})
+    row = store.rows()[0]
+    assert (row.slot, row.gpus, row.where) == (1, "2", "1 process on 1/2 of GPU 2")
 
 
 def test_queued_copies_show_the_original_parameters(scenario: Scenario, url: str) -> None:
