@@ -328,12 +328,17 @@ def _check_unrendered(scenario: Scenario) -> None:
 
 
 def _check_data_dir(scenario: Scenario) -> None:
-    """InputError unless the scenario's ``data_dir``, if set, is an existing folder; where
-    trials run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
+    """InputError unless the scenario's ``data_dir``, if set, is an existing folder that holds
+    something (an empty one fails every trial, each spending one of the budget's); where trials
+    run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
     data_dir = scenario.data_dir
-    if data_dir is not None and scenario.resources.cluster is None and not data_dir.is_dir():
+    if data_dir is None or scenario.resources.cluster is not None:
+        return
+    if not data_dir.is_dir():
         problem = "is a file, not a folder" if data_dir.exists() else "not found"
         raise InputError(f"data_dir: {data_dir} {problem}")
+    if next(data_dir.iterdir(), None) is None:
+        raise InputError(f"data_dir: {data_dir} is empty; put the data set there first")
 
 
 def _check_template_paths(scenario: Scenario, entries: Sequence[tuple[Path, str, bool, Path]]) -> None:

@@ -87,6 +87,7 @@ def test_whether_a_trial_sees_its_trial_seed(tmp_path: Path, write_scenario: Wri
 
 def test_data_dir_reaches_the_template(tmp_path: Path, write_scenario: WriteScenario) -> None:
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("x\n")
     renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
     texts = renderer.render_texts(0, tmp_path, {"x": 0.5, "opt": "a"})
     assert texts == {"t.py": str((tmp_path / "data").resolve())}
@@ -229,10 +230,13 @@ def test_a_folder_brings_its_files_under_its_name(tmp_path: Path, write_scenario
         pytest.param("../no-such-data", "{tmp}/no-such-data not found", id="missing"),
         pytest.param("../notes.txt", "{tmp}/notes.txt is a file, not a folder", id="a-file"),
         pytest.param("../dangling", "{tmp}/gone not found", id="a-dangling-link-names-its-target"),
+        pytest.param("../empty", "{tmp}/empty is empty; put the data set there first", id="empty"),
     ],
 )
 def test_data_dir_must_be_a_folder(tmp_path: Path, write_scenario: WriteScenario, data_dir: str, problem: str) -> None:
+    """An empty one failed every trial (the data set not found), each spending one of the budget's."""
     (tmp_path / "notes.txt").write_text("not data\n")
+    (tmp_path / "empty").mkdir()
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     with pytest.raises(InputError) as info:
         _renderer(tmp_path, write_scenario, {"train.py.j2": "{{ data_dir }}"}, data_dir=data_dir)
