@@ -86,7 +86,7 @@ from hpo.executor import (
     save_result,
     saved_result,
 )
-from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural
+from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural, usable_cores
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, folder_full, folder_writes, write_files
 from hpo.results import Metrics
@@ -233,7 +233,7 @@ def worker_gpus() -> tuple[int, ...]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if GPU_ENV not in os.environ and visible is not None:
         parts = [part.strip() for part in visible.split(",") if part.strip()]
-        if all(part.isdigit() for part in parts):
+        if all(part.isascii() and part.isdigit() for part in parts):
             return tuple(int(part) for part in parts)
     return detect_gpus()
 
@@ -485,7 +485,7 @@ class _WorkerControl(TrialControl):
 def trial_threads(worker: Worker, options: TaskOptions) -> int:
     """Threads per process of a trial: the worker's cores (those it may run on, and no more than
     the ``CPU`` resource it offers: a batch job's cores) divided among the trials it runs at once."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = usable_cores()
     offered = worker.state.total_resources.get("CPU")
     if offered:
         cpus = min(cpus, max(1, int(offered)))

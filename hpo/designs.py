@@ -80,6 +80,8 @@ def csv_rows(scenario: Scenario) -> list[tuple[int, Point]]:
     conditional parameter's cell must be empty when its condition does not hold.
     """
     path = Path(scenario.search.csv or "")
+    if path.is_dir():
+        raise InputError(f"search.csv: {path} is a folder; name the design CSV in it")
     if not path.is_file():
         raise InputError(f"search.csv: design file {path} not found")
     data = path.read_bytes().removeprefix(codecs.BOM_UTF8)

@@ -1,9 +1,10 @@
 """Launching trials: task slots, their GPUs, the argument list, and the process itself.
 
 Each of ``resources.parallel`` slots owns ``gpus_per_trial`` GPUs, or a share of one
-(exported as ``CUDA_VISIBLE_DEVICES``); without GPUs a slot runs CPU processes. Threads are
-divided among all the slots of the machine, whichever worker process owns them. A
-trial's command is an argument list, never a shell string; under torchrun it becomes
+(exported as ``CUDA_VISIBLE_DEVICES``); without GPUs a slot runs CPU processes. Threads (of
+the cores this process may run on) are divided among all the slots of the machine, whichever
+worker process owns them. A trial's command is an argument list, never a shell string;
+without torchrun it is one process, under torchrun it becomes
 ``python -m torch.distributed.run --standalone --nproc-per-node N script ...``. The process
 runs in its own session; its output is logged as it comes and handed on in order, every
 line of it before the run returns; on timeout, stop, prune, interrupt or a log that cannot be
@@ -76,9 +77,9 @@ class Slot:
 
 def gpu_ids(text: str, field: str) -> tuple[int, ...]:
     """The GPU ids of a comma-separated list (``0,1``; empty: none); InputError naming ``field``
-    for anything but distinct whole numbers of 0 or more."""
+    for anything but distinct whole numbers of 0 or more, in ASCII digits."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not all(part.isdigit() for part in parts):
+    if not all(part.isascii() and part.isdigit() for part in parts):
         raise InputError(f"{field}: {text!r} is not a comma-separated list of GPU ids (whole numbers, e.g. 0,1)")
     ids = tuple(int(part) for part in parts)
     if len(set(ids)) < len(ids):
@@ -96,7 +97,22 @@ def detect_gpus() -> tuple[int, ...]:
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
-    return tuple(int(line) for line in out.split() if line.strip().isdigit())
+    return tuple(int(line) for line in out.split() if line.isascii() and line.isdigit())
+
+
+def gpus_known(gpus: Sequence[int]) -> bool:
+    """Whether ``gpus`` (:func:`detect_gpus`'s answer) are all the GPUs hpo may use: it names
+    some, or ``HPO_GPUS`` is set (empty: none). Where neither, nvidia-smi may be missing, and
+    ``resources.gpus`` says what there is."""
+    return bool(gpus) or GPU_ENV in os.environ
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (``taskset``, a cgroup's cpuset, a
+    batch job's allocation) where the system tells it, else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def plural(count: int, word: str) -> str:
@@ -117,44 +133,65 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     """The machine's task slots: GPUs (``resources.gpus`` or those detected), processes and
     threads divided among all of them.
 
-    ``at_least`` slots are planned even where ``parallel`` asks for fewer (``--workers K``
-    gives each worker a slot); an InputError names the setting that cannot be met
-    (``gpus_field``: where ``resources.gpus`` came from, e.g. ``--gpus``). ``threads`` per
-    process, where given (the scenario's ``env``: :func:`env_threads`), replace the division.
+    ``gpus`` are the machine's (:func:`detect_gpus`); ``resources.gpus`` must be among them
+    where they are known (:func:`gpus_known`). ``cpu_count`` defaults to :func:`usable_cores`.
+    A trial's processes are :attr:`Resources.gpus_and_processes`' (one under ``torchrun:
+    false``), and its threads take the cores of its slot. ``at_least`` slots are planned even
+    where ``parallel`` asks for fewer (``--workers K`` gives each worker a slot); an
+    InputError names the setting that cannot be met (``gpus_field``: where
+    ``resources.gpus`` came from, e.g. ``--gpus``). ``threads`` per process, where given
+    (the scenario's ``env``: :func:`env_threads`), replace the division.
     """
     ids = tuple(resources.gpus) if resources.gpus is not None else tuple(gpus)
-    absent = [g for g in ids if g not in gpus]
-    if gpus and absent:  # none found: nvidia-smi may be missing, and resources.gpus says what there is
-        raise InputError(f"{gpus_field}: GPU {absent[0]} is not on this machine (it has GPUs "
-                         f"{','.join(map(str, gpus))}; {GPU_ENV} overrides what nvidia-smi shows)")
-    cpus = cpu_count or os.cpu_count() or 1
+    cpus = cpu_count or usable_cores()
     wanted = resources.parallel
     share = resources.share
+    per_trial, processes = resources.gpus_and_processes
     if ids:
-        per_trial, processes = resources.gpus_and_processes
         if resources.gpus_per_trial == "auto":
-            per_trial = processes = min(per_trial, len(ids))
+            per_trial = min(per_trial, len(ids))
+            processes = min(processes, per_trial)
         if len(ids) < per_trial:
             where = f"{gpus_field} names" if resources.gpus is not None else "this machine has"
             raise InputError(f"resources.gpus_per_trial: {per_trial} GPUs per trial, but {where} "
                              f"{plural(len(ids), 'GPU')} (gpus_per_trial: auto uses what there is)")
+        absent = [gpu for gpu in ids if gpu not in gpus]
+        if absent and gpus_known(gpus):
+            has = f"it has GPUs {','.join(map(str, gpus))}; {GPU_ENV} overrides what nvidia-smi shows" if gpus \
+                else f"it has none: {GPU_ENV} is empty"
+            raise InputError(f"{gpus_field}: GPU {absent[0]} is not on this machine ({has})")
         room = len(ids) // per_trial * share
         count = room if wanted == "auto" else min(max(wanted, at_least), room)
         if count < at_least:
             raise InputError(f"--workers {at_least}: this machine runs {plural(room, 'trial')} at a time "
                              f"({plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
-                             "a fraction such as 0.5 shares GPUs")
+                             f"{_more_at_once(resources, len(ids), at_least, room)}")
         groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(len(ids) // per_trial)]
         assigned = [groups[i % len(groups)] for i in range(count)]
     else:
-        if isinstance(resources.gpus_per_trial, int) and resources.processes_per_trial is None:
-            processes = resources.gpus_per_trial
-        else:
-            processes = resources.processes_per_trial or 1
         count = max(at_least, cpus // processes) if wanted == "auto" else max(wanted, at_least)
         assigned = [()] * count
     threads = threads or max(1, cpus // (count * processes))
     return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
+
+
+def _more_at_once(resources: Resources, gpus: int, wanted: int, room: int) -> str:
+    """How ``wanted`` trials could run at once on ``gpus`` GPUs that run ``room``: a (smaller)
+    fraction of a GPU per trial, where a trial may take one (one process, not under ``torchrun:
+    true``, k of 1/k at most 16); else, or besides, fewer workers."""
+    fewer = f"give --workers {room} at most"
+    share = -(-wanted // gpus)
+    if resources.torchrun is True:
+        return f"{fewer} (a share of a GPU per trial is not for torchrun: true)"
+    if (resources.processes_per_trial or 1) > 1:
+        return f"{fewer} (a share of a GPU per trial runs one process, not processes_per_trial: " \
+               f"{resources.processes_per_trial})"
+    if share > 16:
+        return fewer
+    if share == 1:
+        return f"gpus_per_trial: 1 would run {plural(gpus, 'trial')} at a time, or {fewer}"
+    smaller = "a smaller fraction, " if resources.share > 1 else ""
+    return f"{smaller}gpus_per_trial: {1 / share:.3g} would run {share} trials on each GPU, or {fewer}"
 
 
 def uses_torchrun(resources: Resources, slot: Slot) -> bool:
@@ -272,9 +309,13 @@ def build_argv(scenario: Scenario, values: Mapping[str, Any], processes: int, to
 def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
               base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial's processes on ``slot``: ``base`` (default: this process's),
-    the slot's ``OMP_NUM_THREADS``, then ``extra`` (which may set its own), then hpo's values."""
-    env = {**(os.environ if base is None else base), "OMP_NUM_THREADS": str(slot.threads), **extra}
-    env.update({TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "HPO_SLOT": str(slot.index)})
+    the slot's ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED=1`` (values as they come, for
+    pruning), then ``extra`` (which may set its own of both: an empty ``PYTHONUNBUFFERED``
+    buffers, so that each ``print`` is one write and DDP ranks' lines do not interleave),
+    then hpo's values."""
+    env = {**(os.environ if base is None else base), "OMP_NUM_THREADS": str(slot.threads),
+           "PYTHONUNBUFFERED": "1", **extra}
+    env.update({TOKEN_ENV: token, "HPO_SLOT": str(slot.index)})
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus)) if slot.gpus else ""
     return env
 

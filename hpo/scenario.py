@@ -1,12 +1,14 @@
 """The scenario YAML: loaded, validated and frozen.
 
-:func:`load_scenario` is the only way in. It returns a :class:`Scenario` whose paths are
-absolute (resolved against the scenario file's folder) or raises :class:`InputError` with
-one line naming the field path and what is wrong. Unknown keys, and keys given twice in one
-mapping, are errors.
+:func:`load_scenario` is the only way in. It reads the file as UTF-8 (whatever the locale)
+and returns a :class:`Scenario` whose paths are absolute (resolved against the scenario
+file's folder) or raises :class:`InputError` with one line naming the field path (or the
+file and line) and what is wrong. Unknown keys, and keys given twice in one mapping, are
+errors.
 """
 from __future__ import annotations
 
+import codecs
 import difflib
 import math
 import re
@@ -313,6 +315,8 @@ def _shell_split(value: Any) -> Any:
 
 GpuCount = int | float | Literal["auto"]
 MAX_SHARE = 16
+MAX_PROCESSES = 1024
+"""The most processes (GPUs) one trial may ask for: more is a typo, not a job for one machine."""
 
 
 def gpu_share(value: float) -> int | None:
@@ -403,8 +407,10 @@ class Resources(_Frozen):
 
     ``gpus_per_trial`` is a whole number of GPUs, a fraction ``1/k`` (k trials share a
     GPU, one process each) or ``auto`` (one GPU per process, as many processes as
-    ``processes_per_trial`` asks for and the machine has GPUs). ``parallel: auto`` runs as
-    many trials at once as the GPUs (or, without GPUs, the CPU cores) allow.
+    ``processes_per_trial`` asks for and the machine has GPUs); either asks for at most
+    :data:`MAX_PROCESSES`. ``torchrun: false`` starts one process per trial, whatever its
+    GPUs. ``parallel: auto`` runs as many trials at once as the GPUs (or, without GPUs, the
+    CPU cores) allow.
 
     ``cluster`` runs the trials on a Dask cluster instead (see :class:`Cluster`; a string is
     its address); ``parallel`` then counts the trials at once on the whole cluster (unset
@@ -437,6 +443,13 @@ class Resources(_Frozen):
             raise ValueError("GPU ids must be unique")
         return gpus
 
+    @field_validator("processes_per_trial")
+    @classmethod
+    def _processes_per_trial(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_PROCESSES:
+            raise ValueError(f"{value} processes per trial; a trial runs at most {MAX_PROCESSES}")
+        return value
+
     @field_validator("parallel", mode="before")
     @classmethod
     def _parallel(cls, value: Any) -> Any:
@@ -459,6 +472,8 @@ class Resources(_Frozen):
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # a ValueError, which pydantic reports
             raise ValueError(f"expected a number of GPUs, a fraction 1/k or auto, got {value!r}")  # noqa: TRY004
         if float(value).is_integer() and value >= 1:
+            if value > MAX_PROCESSES:
+                raise ValueError(f"{value:g} GPUs (processes) per trial; a trial runs at most {MAX_PROCESSES}")
             return int(value)
         if gpu_share(float(value)) is None:
             raise ValueError(f"{value:g} is neither a whole number of GPUs nor a fraction 1/k with k = 2..16 "
@@ -489,12 +504,13 @@ class Resources(_Frozen):
     def gpus_and_processes(self) -> tuple[int, int]:
         """GPUs and processes of one trial where there are GPUs enough: a share of a GPU is one
         (shared) GPU and one process, a whole number N is N of each, ``auto`` one GPU for each
-        of ``processes_per_trial`` processes."""
+        of ``processes_per_trial`` processes. Under ``torchrun: false`` a trial is one process
+        (nothing starts more), whatever its GPUs. Without GPUs, the processes are CPU processes."""
         if self.share > 1:
             return 1, 1
         value = self.gpus_per_trial
         count = value if isinstance(value, int) else self.processes_per_trial or 1
-        return count, count
+        return count, 1 if self.torchrun is False else count
 
 
 class Scenario(_Frozen):
@@ -549,7 +565,10 @@ class Scenario(_Frozen):
                 raise ValueError(f"env: {key!r} is not an environment variable name and value "
                                  "(a name is not empty and holds no '=', neither holds a NUL)")
             if key in SET_BY_HPO:
-                raise ValueError(f"env: {key} is set by hpo for each trial{SET_BY_HPO[key]}")
+                raise ValueError(f"env.{key}: hpo sets it for each trial{SET_BY_HPO[key]}")
+            if key.startswith(HPO_PREFIX):
+                raise ValueError(f"env.{key}: the {HPO_PREFIX}* variables are hpo's own (set one that hpo reads, "
+                                 "such as HPO_GPUS, where hpo runs)")
         _check_columns(self)
         _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
@@ -580,6 +599,8 @@ class Scenario(_Frozen):
 SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus chooses which GPUs hpo uses)",
               "HPO_TRIAL_TOKEN": "", "HPO_TRIAL_NUMBER": "", "HPO_TRIAL_DIR": "", "HPO_SLOT": ""}
 """Environment variables of a trial that hpo sets (a scenario's ``env`` may not), and why."""
+HPO_PREFIX = "HPO_"
+"""A scenario's ``env`` sets no variable of this prefix: they are hpo's (``HPO_GPUS``, ...)."""
 
 
 def _check_columns(scenario: Scenario) -> None:
@@ -793,13 +814,37 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_sequence(node, deep=deep)
 
 
+def _example_in(folder: Path) -> str:
+    """``, e.g. FOLDER/x.yaml`` for the first YAML file of ``folder``, or ``''``."""
+    try:
+        first = min((entry for entry in folder.iterdir() if entry.suffix in (".yaml", ".yml") and entry.is_file()),
+                    default=None)
+    except OSError:
+        return ""
+    return f", e.g. {first}" if first else ""
+
+
+def _utf8_text(file: Path) -> str:
+    """The text of ``file`` read as UTF-8 (with or without a byte order mark), whatever the
+    locale; InputError naming the file and the line of the first byte that is not UTF-8."""
+    data = file.read_bytes().removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{file.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
+                         "save it as UTF-8") from None
+
+
 def load_scenario(path: str | Path) -> Scenario:
     """Read, validate and freeze the scenario at ``path`` (see the module docstring)."""
     file = Path(path)
+    if file.is_dir():
+        raise InputError(f"{path} is a folder; name the scenario file in it{_example_in(file)}")
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = yaml.load(file.read_text(), Loader=UniqueKeyLoader)
+        raw = yaml.load(_utf8_text(file), Loader=UniqueKeyLoader)
     except DuplicateKeyError as exc:
         raise InputError(f"{file.name}: {exc.problem}") from None
     except yaml.YAMLError as exc:

@@ -270,6 +270,16 @@ def test_csv_missing_file_and_too_many_trials(tmp_path: Path, write_scenario: Wr
         designs.design_points(scenario)
 
 
+def test_a_folder_for_the_design_csv_is_called_a_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    scenario = _csv_scenario(tmp_path, write_scenario, "")
+    csv_path = tmp_path / "design.csv"
+    csv_path.unlink()
+    csv_path.mkdir()
+    with pytest.raises(InputError) as info:
+        designs.design_points(scenario)
+    assert str(info.value) == f"search.csv: {csv_path.resolve()} is a folder; name the design CSV in it"
+
+
 def test_csv_with_a_byte_order_mark(tmp_path: Path, write_scenario: WriteScenario) -> None:
     """Excel's "CSV UTF-8" starts with a BOM; the header's first name is read without it."""
     scenario = _csv_scenario(tmp_path, write_scenario, "")

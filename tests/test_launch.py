@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
+from hpo import cli
 from hpo.errors import ExecutorUnavailable, InputError
 from hpo.launch import (
     GPU_ENV,
@@ -27,10 +28,13 @@ from hpo.launch import (
     detect_gpus,
     env_threads,
     flag_args,
+    gpu_ids,
     kill_by_token,
     plan_slots,
     run_process,
     trial_env,
+    usable_cores,
+    uses_torchrun,
 )
 from hpo.scenario import Resources, Scenario
 
@@ -199,7 +203,8 @@ def test_build_argv_does_not_change_its_input() -> None:
     ],
 )
 def test_plan_slots_with_fake_gpus(resources: dict[str, Any], gpus: tuple[int, ...],
-                                   expected: list[tuple[tuple[int, ...], int]]) -> None:
+                                   expected: list[tuple[tuple[int, ...], int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(GPU_ENV, raising=False)
     slots = plan_slots(Resources(**resources), gpus, cpu_count=16)
     assert [(slot.gpus, slot.processes) for slot in slots] == expected
     assert [slot.index for slot in slots] == list(range(len(expected)))
@@ -273,6 +278,45 @@ def test_the_main_job_on_zero_one_and_two_gpus() -> None:
     assert (two.gpus, two.processes) == ((0, 1), 2)
 
 
+@pytest.mark.parametrize(("resources", "gpus", "expected"), [
+    pytest.param({"parallel": "auto", "gpus_per_trial": 2, "torchrun": False}, (0, 1, 2, 3),
+                 [((0, 1), 1, 8), ((2, 3), 1, 8)], id="two-gpus-one-process"),
+    pytest.param({"parallel": "auto", "processes_per_trial": 2, "torchrun": False}, (0, 1),
+                 [((0, 1), 1, 16)], id="auto-gpus-one-process"),
+    pytest.param({"parallel": "auto", "processes_per_trial": 2, "torchrun": False}, (),
+                 [((), 1, 1)] * 16, id="cpu-auto-one-process-per-core"),
+    pytest.param({"parallel": 1, "processes_per_trial": 2, "torchrun": False}, (),
+                 [((), 1, 16)], id="cpu-one-process-takes-the-cores"),
+    pytest.param({"parallel": 1, "processes_per_trial": 2}, (), [((), 2, 8)], id="cpu-torchrun-auto-unchanged"),
+])
+def test_without_torchrun_a_slot_runs_one_process_with_the_slots_cores(
+        resources: dict[str, Any], gpus: tuple[int, ...], expected: list[tuple[tuple[int, ...], int, int]]) -> None:
+    """The plan is what runs: without torchrun nothing starts a second process, so the one
+    process gets the threads of the whole slot."""
+    resources_model = Resources(**resources)
+    slots = plan_slots(resources_model, gpus, cpu_count=16)
+    assert [(slot.gpus, slot.processes, slot.threads) for slot in slots] == expected
+    assert uses_torchrun(resources_model, slots[0]) is (resources_model.torchrun == "auto")
+
+
+def test_without_torchrun_the_plan_says_one_process() -> None:
+    on_gpus, = plan_slots(Resources(gpus_per_trial=2, torchrun=False), (0, 1), cpu_count=2)
+    assert on_gpus.describe() == "1 process on GPUs 0,1"
+    on_cpu, = plan_slots(Resources(processes_per_trial=2, torchrun=False), (), cpu_count=2)
+    assert on_cpu.describe() == "1 CPU process of 2 threads"
+
+
+def test_the_plan_counts_the_cores_this_process_may_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under taskset or a batch job's cpuset the machine has more cores than hpo may use."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5})
+    assert usable_cores() == 2
+    slots = plan_slots(Resources(parallel="auto"), ())
+    assert [(slot.processes, slot.threads) for slot in slots] == [(1, 1), (1, 1)]
+    one, = plan_slots(Resources(parallel=1), ())
+    assert one.threads == 2
+
+
 def test_plan_slots_needs_enough_gpus() -> None:
     with pytest.raises(InputError, match="resources.gpus_per_trial: 4 GPUs per trial, but this machine has 2 GPUs"):
         plan_slots(Resources(gpus_per_trial=4), (0, 1))
@@ -280,11 +324,83 @@ def test_plan_slots_needs_enough_gpus() -> None:
         plan_slots(Resources(gpus_per_trial=1), (0,), at_least=2)
 
 
+@pytest.mark.parametrize(("resources", "gpus", "workers", "hint"), [
+    ({"gpus_per_trial": 0.5}, (0,), 3,
+     "a smaller fraction, gpus_per_trial: 0.333 would run 3 trials on each GPU, or give --workers 2 at most"),
+    ({"gpus_per_trial": "auto", "processes_per_trial": 2, "parallel": 1}, (0, 1), 2,
+     "give --workers 1 at most (a share of a GPU per trial runs one process, not processes_per_trial: 2)"),
+    ({"gpus_per_trial": 1}, (0, 1), 4, "gpus_per_trial: 0.5 would run 2 trials on each GPU, or give --workers 2 at most"),
+    ({"gpus_per_trial": 1, "torchrun": True}, (0,), 2,
+     "give --workers 1 at most (a share of a GPU per trial is not for torchrun: true)"),
+])
+def test_too_many_workers_for_the_gpus_get_a_hint_that_applies(resources: dict[str, Any], gpus: tuple[int, ...],
+                                                              workers: int, hint: str) -> None:
+    """The hint was always 'a fraction such as 0.5 shares GPUs', also where the scenario
+    had that fraction already, or where a fraction is refused."""
+    with pytest.raises(InputError) as info:
+        plan_slots(Resources(**resources), gpus, at_least=workers)
+    assert str(info.value).endswith(f"); {hint}"), str(info.value)
+
+
 @pytest.mark.parametrize(("value", "expected"), [("", ()), ("0", (0,)), ("0,1, 3", (0, 1, 3)), ("2,", (2,))])
 def test_detect_gpus_honours_the_override(value: str, expected: tuple[int, ...],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(GPU_ENV, value)
     assert detect_gpus() == expected
+
+
+@pytest.mark.parametrize("value", ["²", "٣", "0,１", "1,²"])
+def test_gpu_ids_are_ascii_digits(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``str.isdigit`` holds for superscripts and other scripts' digits, which ``int`` reads
+    as another number or refuses."""
+    with pytest.raises(InputError) as info:
+        gpu_ids(value, "--gpus")
+    assert str(info.value) == f"--gpus: {value!r} is not a comma-separated list of GPU ids (whole numbers, e.g. 0,1)"
+    monkeypatch.setenv(GPU_ENV, value)
+    with pytest.raises(InputError, match=f"^{GPU_ENV}: "):
+        detect_gpus()
+
+
+def test_an_empty_hpo_gpus_leaves_no_gpu_to_resources_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HPO_GPUS=`` means none: resources.gpus (or --gpus) cannot name one."""
+    monkeypatch.setenv(GPU_ENV, "")
+    with pytest.raises(InputError) as info:
+        plan_slots(Resources(gpus=[0, 1], gpus_per_trial=1), detect_gpus())
+    assert str(info.value) == f"resources.gpus: GPU 0 is not on this machine (it has none: {GPU_ENV} is empty)"
+    with pytest.raises(InputError, match=r"^--gpus: GPU 3 is not on this machine"):
+        plan_slots(Resources(gpus=[3]), detect_gpus(), gpus_field="--gpus")
+    monkeypatch.setenv(GPU_ENV, "0,1")
+    assert [slot.gpus for slot in plan_slots(Resources(gpus=[1], gpus_per_trial=1), detect_gpus())] == [(1,)]
+
+
+def test_resources_gpus_say_what_there_is_where_none_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HPO_GPUS and no GPU found (nvidia-smi may be missing): the scenario's list is taken."""
+    monkeypatch.delenv(GPU_ENV, raising=False)
+    assert [slot.gpus for slot in plan_slots(Resources(gpus=[0, 1], gpus_per_trial=1, parallel=2), ())] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(("extra", "expected"), [({}, "1"), ({"PYTHONUNBUFFERED": ""}, ""),
+                                                 ({"PYTHONUNBUFFERED": "0"}, "0")])
+def test_the_scenario_env_may_set_pythonunbuffered(extra: dict[str, str], expected: str) -> None:
+    env = trial_env(Slot(0, (), 1, 1), "tok", extra, base={"PYTHONUNBUFFERED": "x"})
+    assert env["PYTHONUNBUFFERED"] == expected
+
+
+@pytest.mark.parametrize(("env", "stdout"), [({}, "FileIO '1'"), ({"PYTHONUNBUFFERED": ""}, "BufferedWriter ''")])
+def test_a_trial_gets_the_pythonunbuffered_of_its_scenario(tmp_path: Path, write_scenario: Any,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           env: dict[str, str], stdout: str) -> None:
+    """Unbuffered, ``print`` writes a line's text and its newline in two calls, and the lines
+    of DDP ranks that print interleave; an empty value gives the trial buffered output."""
+    monkeypatch.setenv(GPU_ENV, "")
+    probe = ("import os, sys\n"
+             "from pathlib import Path\n"
+             "Path('stdout.txt').write_text(f\"{type(sys.stdout.buffer).__name__} {os.environ.get('PYTHONUNBUFFERED')!r}\")\n"
+             "print('val_error={{ x }}')\n")
+    path = write_scenario(tmp_path, template_text=probe, env=env, search={"trials": 1},
+                          objective={"held_out": []})
+    assert cli.main(["run", str(path), "--workdir", str(tmp_path / "w")]) == 0
+    assert (tmp_path / "w" / "trial-0000" / "stdout.txt").read_text() == stdout
 
 
 def test_the_scenario_env_sets_omp_num_threads() -> None:

@@ -115,6 +115,22 @@ def test_uses_torchrun(gpus_per_trial: Any, torchrun: Any, expected: bool) -> No
     assert uses_torchrun(resources, slot) is expected
 
 
+@pytest.mark.parametrize(("resources", "expected"), [
+    ({"gpus_per_trial": 2}, (2, 2)),
+    ({"gpus_per_trial": 2, "torchrun": False}, (2, 1)),
+    ({"processes_per_trial": 3, "torchrun": False}, (3, 1)),
+    ({"processes_per_trial": 3, "torchrun": True}, (3, 3)),
+    ({"gpus_per_trial": 0.5, "torchrun": False}, (1, 1)),
+])
+def test_without_torchrun_a_trial_is_one_process(resources: dict[str, Any], expected: tuple[int, int]) -> None:
+    assert Resources(**resources).gpus_and_processes == expected
+
+
+def test_a_bound_on_processes_per_trial_leaves_room_for_more_ranks_than_cores() -> None:
+    assert Resources(processes_per_trial=1024).processes_per_trial == 1024
+    assert Resources(gpus_per_trial=64).gpus_and_processes == (64, 64)
+
+
 def test_conditions_and_constants_load(tmp_path: Path, write_scenario: WriteScenario) -> None:
     path = write_scenario(tmp_path, parameters={
         "momentum": {"type": "float", "low": 0.0, "high": 0.9, "condition": {"opt": "a"}},
@@ -195,8 +211,14 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"search": {"pruner": "hyperband", "max_step": 0}}, "search.max_step: Input should be greater than or equal"),
         ({"search": {"pruner": "hyperband", "max_step": 2.5}}, "search.max_step: Input should be a valid integer"),
         ({"resources": {"gpus": [-1]}}, "resources.gpus.0: Input should be greater than or equal to 0"),
-        ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env: CUDA_VISIBLE_DEVICES is set by hpo for each trial"),
-        ({"env": {"HPO_SLOT": "1"}}, "env: HPO_SLOT is set by hpo for each trial"),
+        ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env.CUDA_VISIBLE_DEVICES: hpo sets it for each trial"),
+        ({"env": {"HPO_SLOT": "1"}}, "env.HPO_SLOT: hpo sets it for each trial"),
+        ({"env": {"HPO_GPUS": "0"}}, "env.HPO_GPUS: the HPO_* variables are hpo's own"),
+        ({"env": {"HPO_ANYTHING": "x"}}, "env.HPO_ANYTHING: the HPO_* variables are hpo's own"),
+        ({"resources": {"gpus_per_trial": "auto", "processes_per_trial": 100000}},
+         "resources.processes_per_trial: 100000 processes per trial; a trial runs at most 1024"),
+        ({"resources": {"gpus_per_trial": 5000}},
+         "resources.gpus_per_trial: 5000 GPUs (processes) per trial; a trial runs at most 1024"),
         ({"env": {1: "x"}}, "env: the name 1 is not a string: YAML reads yes/no, on/off"),
         ({"parameters": {True: {"type": "float", "low": 0, "high": 1}}},
          "parameters: the name true is not a string: YAML reads yes/no, on/off, true/false, null and numbers"),
@@ -301,3 +323,36 @@ def test_template_is_optional(tmp_path: Path, write_scenario: WriteScenario, run
     result = run_cli("validate", write_scenario(tmp_path, drop=("template",), template_text=None), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: command: train.py is neither a file of the trial folder"), result.stderr
+
+
+@pytest.mark.parametrize(("data", "line", "byte"), [
+    (b"name: caf\xe9\n", 1, "0xe9"),
+    (b"# ok\nname: demo\n\xff\xfe", 3, "0xff"),
+])
+def test_a_scenario_that_is_not_utf8_names_the_file_and_line(tmp_path: Path, data: bytes, line: int,
+                                                             byte: str) -> None:
+    path = tmp_path / "lat.yaml"
+    path.write_bytes(data)
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value) == f"lat.yaml line {line}: not UTF-8 text (byte {byte}); save it as UTF-8"
+
+
+def test_a_utf8_scenario_loads_with_or_without_a_byte_order_mark(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path)
+    path.write_text(path.read_text(encoding="utf-8") + "env: {GREETING: café}\n", encoding="utf-8")
+    assert load_scenario(path).env == {"GREETING": "café"}
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_scenario(path).env == {"GREETING": "café"}
+
+
+def test_a_folder_for_the_scenario_is_called_a_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    with pytest.raises(InputError) as info:
+        load_scenario(tmp_path)
+    assert str(info.value) == f"{tmp_path} is a folder; name the scenario file in it"
+    path = write_scenario(tmp_path)
+    with pytest.raises(InputError) as info:
+        load_scenario(tmp_path)
+    assert str(info.value) == f"{tmp_path} is a folder; name the scenario file in it, e.g. {path}"
+    with pytest.raises(InputError, match="nope.yaml: scenario file not found"):
+        load_scenario(tmp_path / "nope.yaml")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, run_hpo
+
+from hpo.launch import usable_cores
 
 BRANIN = textwrap.dedent("""\
     import math
@@ -120,7 +121,7 @@ def test_workers_divide_the_machines_gpus_and_threads(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     found = rows(path)
     assert len(found) == 6 and {r["gpu"] for r in found} == {"0.0", "1.0"}
-    threads = max(1, (os.cpu_count() or 1) // 2)
+    threads = max(1, usable_cores() // 2)
     assert {float(r["threads"]) for r in found} == {threads}
     logs = [log.read_text() for log in sorted((tmp_path / "runs" / "where").glob("worker-*.log"))]
     assert ["1 process on GPU 0" in logs[0], "1 process on GPU 1" in logs[1]] == [True, True]
