@@ -392,7 +392,8 @@ def _run(args: argparse.Namespace) -> int:
     """The sweep, or its workers (see :func:`cmd_run`)."""
     ctx = _writing_context(args)
     executor = _cluster(ctx, args)
-    slots = executor.plan(at_least=args.workers) if executor else _plan(ctx, at_least=args.workers)
+    slots = executor.plan(at_least=args.workers, grows=args.workers == 1) if executor else \
+        _plan(ctx, at_least=args.workers)
     if args.workers == 1:
         return _run_sweep(ctx, slots, ctx.scenario.search.seed, args, executor)
     try:
@@ -483,7 +484,7 @@ def _work(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else ctx.scenario.search.seed + os.getpid()
     executor = _cluster(ctx, args)
     if args.slots:
-        slots = tuple(Slot(**{**item, "gpus": tuple(item["gpus"])}) for item in json.loads(args.slots))
+        slots = tuple(Slot.of(item) for item in json.loads(args.slots))
     elif executor:
         slots = executor.plan(parallel=None if args.parallel == "auto" else args.parallel)
     else:
@@ -1195,10 +1196,10 @@ def _start_forest_helper(scenario_path: str) -> None:
     opens the store. :func:`_run_sweep` stops it if the sweep's sampler has no use for it."""
     import yaml
 
-    from hpo.scenario import UniqueKeyLoader
+    from hpo.scenario import UniqueKeyLoader, scenario_file_text
 
     try:
-        method = yaml.load(Path(scenario_path).read_text(), Loader=UniqueKeyLoader)["search"]["method"]
+        method = yaml.load(scenario_file_text(Path(scenario_path)), Loader=UniqueKeyLoader)["search"]["method"]
     except Exception:  # the scenario's own loading says what is wrong with it
         return
     if method == "smac":

@@ -64,7 +64,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,7 +466,7 @@ class _WorkerControl(TrialControl):
         self._start = HeldStart(lambda start: courier.send("started", **start))
 
     def started(self, slot: Slot) -> None:
-        self._start.hold({"gpus": list(slot.gpus), "share": slot.share, "threads": slot.threads, **self._place})
+        self._start.hold({"slot": asdict(slot), **self._place})
 
     def intermediate(self, step: int, value: float) -> bool:
         self._start.release()
@@ -774,6 +774,8 @@ class DaskExecutor:
         self.broken: str | None = None
         self._auto_slots: int | None = None  # slots planned from the workers connected then (parallel: auto)
         self._slots_now: int | None = None  # more slots than planned: what the workers connected later take
+        self._grows = True  # whether the slots planned grow (False: fixed shares of hpo run --workers)
+        self._room_told = 0  # the most trials at once said, where the slots do not grow
         self._full = _FullWorkers(say)
         self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
         self._subscribe()
@@ -789,9 +791,12 @@ class DaskExecutor:
         """Trials the worker of ``info`` (as the scheduler describes it) runs at once."""
         return self.demand.at_once(info.get("nthreads", 0), info.get("resources", {}), self.options.restricted)
 
-    def plan(self, parallel: int | None = None, at_least: int = 1) -> tuple[Slot, ...]:
+    def plan(self, parallel: int | None = None, at_least: int = 1, grows: bool = True) -> tuple[Slot, ...]:
         """The sweep's slots: ``parallel``, else ``resources.parallel`` when set to a number,
-        else the cluster's :meth:`capacity`; at least ``at_least``."""
+        else the cluster's :meth:`capacity` (they then grow as workers join: :meth:`slots_now`,
+        unless not ``grows``: ``hpo run --workers`` hands them out in fixed shares, and workers
+        that join later are said, with how to use them); at least ``at_least``."""
+        self._grows = grows
         if parallel is None and "parallel" in self._resources.model_fields_set:
             parallel = self._resources.parallel if isinstance(self._resources.parallel, int) else None
         count = max(at_least, parallel if parallel is not None else self.capacity())
@@ -843,7 +848,14 @@ class DaskExecutor:
     def _grow(self, takes: int) -> None:
         """Grow the slots planned from the workers connected then to ``takes``, the trials the
         workers connected now take at once, where that is more; say so."""
-        if self._auto_slots is None or takes <= max(self._auto_slots, self._slots_now or 0):
+        if self._auto_slots is None or takes <= max(self._auto_slots, self._slots_now or 0, self._room_told):
+            return
+        if not self._grows:
+            self._room_told = takes
+            self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once; this sweep's "
+                      f"workers run the {plural(self._auto_slots, 'slot')} planned when it started; `hpo worker "
+                      f"SCENARIO --cluster {self.address}` (with this sweep's --storage and --workdir) joins it with "
+                      "slots of its own")
             return
         self._slots_now = takes
         self._say(f"hpo: the Dask workers connected now take {plural(takes, 'trial')} at once: this sweep runs "
@@ -1110,10 +1122,7 @@ class _Following:
             self._worker = str(message.get("worker", ""))
             self._shared = bool(message.get("shared"))
             self._executor.started(self._spec.token, self._worker)
-            ran = self._spec.slot
-            self._control.started(replace(ran, gpus=tuple(message.get("gpus", ())),
-                                          share=int(message.get("share", ran.share)),
-                                          threads=int(message.get("threads", ran.threads))))
+            self._control.started(Slot.of(message["slot"]))
         elif kind == "value":
             self._value(int(message["step"]), float(message["value"]), bool(message.get("judged", True)))
         elif kind == "log":

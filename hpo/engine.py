@@ -425,7 +425,7 @@ class Sweep:
         settled: Future[None] | None = None
         try:
             while claimed is not None and not self._stopping.is_set():
-                ahead = books.submit(self._claim_ahead, slot) if books else None
+                ahead = self._submit_claim_ahead(books, slot) if books else None
                 result = self._verdict(claimed, self._execute(slot, claimed))
                 self._announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
@@ -463,12 +463,23 @@ class Sweep:
             self._stopping.wait(CLAIM_POLL_S)
         return None
 
+    def _submit_claim_ahead(self, books: ThreadPoolExecutor, slot: Slot) -> Future[Claim | str | None]:
+        """:meth:`_claim_ahead` on the slot's books thread, counted from now (it may wait there
+        behind the settling of the slot's last trial, which may queue a trial to run again)."""
+        with self._lock:
+            self._ahead_claims += 1
+        try:
+            return books.submit(self._claim_ahead, slot)
+        except BaseException:
+            with self._lock:
+                self._ahead_claims -= 1
+            raise
+
     def _claim_ahead(self, slot: Slot) -> Claim | str | None:
         """A design's next trial for ``slot``, claimed while its current trial runs; until
         the slot takes it (:meth:`_take_ahead`), a slot that frees up with nothing left to
-        claim may take it (:meth:`_take_any_ahead`) and run it at once."""
-        with self._lock:
-            self._ahead_claims += 1
+        claim may take it (:meth:`_take_any_ahead`) and run it at once. Counted in
+        ``_ahead_claims`` by :meth:`_submit_claim_ahead`, until it is claimed."""
         claimed: Claim | str | None = None
         try:
             claimed = self._claim()

@@ -64,6 +64,11 @@ class Slot:
     threads: int
     share: int = 1
 
+    @classmethod
+    def of(cls, fields: Mapping[str, Any]) -> Slot:
+        """The slot of ``asdict(slot)``, as an event carries it (its GPUs a list)."""
+        return cls(**{**fields, "gpus": tuple(fields["gpus"])})
+
     def describe(self) -> str:
         """``2 processes on GPUs 0,1`` / ``1 process on 1/4 of GPU 0`` / ``2 CPU processes``."""
         what = plural(self.processes, "process")
@@ -176,20 +181,23 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
 
 
 def _more_at_once(resources: Resources, gpus: int, wanted: int, room: int) -> str:
-    """How ``wanted`` trials could run at once on ``gpus`` GPUs that run ``room``: a (smaller)
-    fraction of a GPU per trial, where a trial may take one (one process, not under ``torchrun:
-    true``, k of 1/k at most 16); else, or besides, fewer workers."""
+    """How ``wanted`` trials could run at once on ``gpus`` GPUs that run ``room``: one GPU per
+    trial (one process: ``processes_per_trial: 1``), where that is enough; else a (smaller)
+    fraction of a GPU per trial, where a trial may take one (one process, not under
+    ``torchrun: true``, k of 1/k at most 16); else, or besides, fewer workers."""
     fewer = f"give --workers {room} at most"
     share = -(-wanted // gpus)
+    processes = resources.processes_per_trial or 1
+    if share == 1:
+        setting = "processes_per_trial: 1" if resources.gpus_per_trial == "auto" and processes > 1 \
+            else "gpus_per_trial: 1"
+        return f"{setting} would run {plural(gpus, 'trial')} at a time, or {fewer}"
     if resources.torchrun is True:
         return f"{fewer} (a share of a GPU per trial is not for torchrun: true)"
-    if (resources.processes_per_trial or 1) > 1:
-        return f"{fewer} (a share of a GPU per trial runs one process, not processes_per_trial: " \
-               f"{resources.processes_per_trial})"
+    if processes > 1:
+        return f"{fewer} (a share of a GPU per trial runs one process, not processes_per_trial: {processes})"
     if share > 16:
         return fewer
-    if share == 1:
-        return f"gpus_per_trial: 1 would run {plural(gpus, 'trial')} at a time, or {fewer}"
     smaller = "a smaller fraction, " if resources.share > 1 else ""
     return f"{smaller}gpus_per_trial: {1 / share:.3g} would run {share} trials on each GPU, or {fewer}"
 

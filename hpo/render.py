@@ -277,7 +277,7 @@ def _check_placeholders(scenario: Scenario, template: Path, rendered: bool) -> N
     try:
         if template.stat().st_size > _CHECKED_BYTES:
             return
-        text = template.read_text()
+        text = template.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return
     params, syntax = set(scenario.parameters), scenario.syntax
@@ -329,15 +329,20 @@ def _check_unrendered(scenario: Scenario) -> None:
 
 def _check_data_dir(scenario: Scenario) -> None:
     """InputError unless the scenario's ``data_dir``, if set, is an existing folder that holds
-    something (an empty one fails every trial, each spending one of the budget's); where trials
-    run on a Dask cluster it is a path on the cluster's machines, and is not checked here."""
+    something where it may be listed (an empty one fails every trial, each spending one of the
+    budget's); where trials run on a Dask cluster it is a path on the cluster's machines, and is
+    not checked here."""
     data_dir = scenario.data_dir
     if data_dir is None or scenario.resources.cluster is not None:
         return
     if not data_dir.is_dir():
         problem = "is a file, not a folder" if data_dir.exists() else "not found"
         raise InputError(f"data_dir: {data_dir} {problem}")
-    if next(data_dir.iterdir(), None) is None:
+    try:
+        empty = next(data_dir.iterdir(), None) is None
+    except OSError:  # a folder that may be entered, not listed: its files may still be read by name
+        return
+    if empty:
         raise InputError(f"data_dir: {data_dir} is empty; put the data set there first")
 
 
@@ -387,7 +392,7 @@ class Renderer:
     """Compiles a scenario's templates once; renders them into one folder per trial.
 
     Construction raises :class:`InputError` for a missing template, a syntax error, a
-    ``data_dir`` that is not a folder, a command that names a template by a path the trial
+    ``data_dir`` that is not a folder or is empty, a command that names a template by a path the trial
     folder does not hold it under, or a placeholder in the command or ``env`` (:func:`_check_unrendered`).
     """
 
@@ -406,7 +411,7 @@ class Renderer:
             render = None
             if rendered:
                 try:
-                    text = template.read_text()
+                    text = template.read_text(encoding="utf-8")
                 except UnicodeDecodeError:
                     raise InputError(f"template {template.name}: not a UTF-8 text file") from None
                 render = _dollar(template, text) if scenario.syntax == "dollar" else _jinja(template, text, folder)
@@ -438,7 +443,7 @@ class Renderer:
         template reads it, or ``seed_flag`` passes it to the command (the templates are read
         again: only ``hpo rerun --seed`` asks)."""
         return self._scenario.seed_flag is not None or any(
-            "trial_seed" in _variables(template.read_text(), self._scenario.syntax)
+            "trial_seed" in _variables(template.read_text(encoding="utf-8"), self._scenario.syntax)
             for _, render, template in self._renderers if render is not None)
 
     @property

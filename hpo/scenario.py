@@ -566,9 +566,9 @@ class Scenario(_Frozen):
                                  "(a name is not empty and holds no '=', neither holds a NUL)")
             if key in SET_BY_HPO:
                 raise ValueError(f"env.{key}: hpo sets it for each trial{SET_BY_HPO[key]}")
-            if key.startswith(HPO_PREFIX):
-                raise ValueError(f"env.{key}: the {HPO_PREFIX}* variables are hpo's own (set one that hpo reads, "
-                                 "such as HPO_GPUS, where hpo runs)")
+            if key in READ_BY_HPO:
+                raise ValueError(f"env.{key}: hpo reads it from its own environment, not from a trial's; "
+                                 f"set it where hpo runs ({key}=... hpo run ...)")
         _check_columns(self)
         _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
@@ -599,8 +599,9 @@ class Scenario(_Frozen):
 SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus chooses which GPUs hpo uses)",
               "HPO_TRIAL_TOKEN": "", "HPO_TRIAL_NUMBER": "", "HPO_TRIAL_DIR": "", "HPO_SLOT": ""}
 """Environment variables of a trial that hpo sets (a scenario's ``env`` may not), and why."""
-HPO_PREFIX = "HPO_"
-"""A scenario's ``env`` sets no variable of this prefix: they are hpo's (``HPO_GPUS``, ...)."""
+READ_BY_HPO = ("HPO_GPUS", "HPO_DEBUG", "HPO_FAULTS")
+"""Environment variables that hpo reads from its own environment: a scenario's ``env``, which
+only trials see, may not set them."""
 
 
 def _check_columns(scenario: Scenario) -> None:
@@ -824,7 +825,7 @@ def _example_in(folder: Path) -> str:
     return f", e.g. {first}" if first else ""
 
 
-def _utf8_text(file: Path) -> str:
+def scenario_file_text(file: Path) -> str:
     """The text of ``file`` read as UTF-8 (with or without a byte order mark), whatever the
     locale; InputError naming the file and the line of the first byte that is not UTF-8."""
     data = file.read_bytes().removeprefix(codecs.BOM_UTF8)
@@ -844,7 +845,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = yaml.load(_utf8_text(file), Loader=UniqueKeyLoader)
+        raw = yaml.load(scenario_file_text(file), Loader=UniqueKeyLoader)
     except DuplicateKeyError as exc:
         raise InputError(f"{file.name}: {exc.problem}") from None
     except yaml.YAMLError as exc:

@@ -37,7 +37,7 @@ from hpo.faults import fault_point
 from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
-from hpo.scenario import Scenario
+from hpo.scenario import Scenario, scenario_file_text
 from hpo.spacecheck import INDEXED_DESIGNS, design_change, space_change, stored_change
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
@@ -571,8 +571,8 @@ def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False)
 
 
 def scenario_text(path: Path) -> str:
-    """The scenario file's text, as recorded on the study."""
+    """The scenario file's text, as recorded on the study (read as :func:`load_scenario` reads it)."""
     try:
-        return path.read_text()
-    except OSError:
+        return scenario_file_text(path)
+    except (OSError, InputError):
         return json.dumps({"path": str(path)})

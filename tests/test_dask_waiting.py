@@ -224,6 +224,28 @@ def test_workers_that_join_after_the_plan_grow_the_slots(tmp_path: Path) -> None
                     "(resources.parallel: auto)")]
 
 
+def test_slots_handed_out_to_workers_do_not_grow_and_the_joiner_is_said(tmp_path: Path) -> None:
+    """hpo run --workers K --cluster gives each worker a fixed share of the slots planned: the
+    sweep said it grew, and it did not."""
+    dask = LocalDask(tmp_path / "dask")
+    dask.worker("first", 1)
+    said: list[str] = []
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
+                            scheduler_lost_s=10, say=said.append)
+    try:
+        wait_for(lambda: executor.capacity() == 1, "the first worker did not connect", 10)
+        assert len(executor.plan(at_least=2, grows=False)) == 2
+        dask.worker("later", 2)
+        wait_for(lambda: said, "the worker that joined was not said", 10)
+        assert executor.slots_now() is None
+    finally:
+        executor.close()
+        dask.close()
+    assert said == [(f"hpo: the Dask workers connected now take 3 trials at once; this sweep's workers run the 2 slots "
+                     f"planned when it started; `hpo worker SCENARIO --cluster {dask.address}` (with this sweep's "
+                     "--storage and --workdir) joins it with slots of its own")]
+
+
 def test_a_set_parallel_does_not_grow(tmp_path: Path) -> None:
     dask = LocalDask(tmp_path / "dask")
     dask.worker("first", 1)

@@ -327,11 +327,15 @@ def test_plan_slots_needs_enough_gpus() -> None:
 @pytest.mark.parametrize(("resources", "gpus", "workers", "hint"), [
     ({"gpus_per_trial": 0.5}, (0,), 3,
      "a smaller fraction, gpus_per_trial: 0.333 would run 3 trials on each GPU, or give --workers 2 at most"),
-    ({"gpus_per_trial": "auto", "processes_per_trial": 2, "parallel": 1}, (0, 1), 2,
+    ({"gpus_per_trial": "auto", "processes_per_trial": 2, "parallel": 1}, (0, 1), 4,
      "give --workers 1 at most (a share of a GPU per trial runs one process, not processes_per_trial: 2)"),
     ({"gpus_per_trial": 1}, (0, 1), 4, "gpus_per_trial: 0.5 would run 2 trials on each GPU, or give --workers 2 at most"),
     ({"gpus_per_trial": 1, "torchrun": True}, (0,), 2,
      "give --workers 1 at most (a share of a GPU per trial is not for torchrun: true)"),
+    ({"gpus_per_trial": 2, "torchrun": True}, (0, 1, 2, 3), 4,
+     "gpus_per_trial: 1 would run 4 trials at a time, or give --workers 2 at most"),
+    ({"gpus_per_trial": "auto", "processes_per_trial": 2, "parallel": 1}, (0, 1, 2, 3), 4,
+     "processes_per_trial: 1 would run 4 trials at a time, or give --workers 2 at most"),
 ])
 def test_too_many_workers_for_the_gpus_get_a_hint_that_applies(resources: dict[str, Any], gpus: tuple[int, ...],
                                                               workers: int, hint: str) -> None:

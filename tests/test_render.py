@@ -516,3 +516,17 @@ def test_an_included_file_that_is_missing_or_fails_is_named(tmp_path: Path, writ
     with pytest.raises(InputError) as raised:
         renderer.render_texts(0, tmp_path / "t", {"x": 0.5, "opt": "a"})
     assert str(raised.value) == said.replace("{tpl}", str(tpl))
+
+
+def test_a_data_dir_that_cannot_be_listed_is_taken_as_it_is(tmp_path: Path, write_scenario: WriteScenario,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder of mode 711 (entered, not listed): its files may still be read by name; the
+    check for an empty one made it a PermissionError, exit 1."""
+    (tmp_path / "data").mkdir()
+
+    def refused(self: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", refused)
+    renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
+    assert renderer.render_texts(0, tmp_path, {"x": 0.5, "opt": "a"}) == {"t.py": str((tmp_path / "data").resolve())}

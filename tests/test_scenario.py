@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pydantic
 import pytest
+from conftest import cli_env
 
 from hpo import space
 from hpo.errors import InputError
@@ -213,8 +215,8 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"resources": {"gpus": [-1]}}, "resources.gpus.0: Input should be greater than or equal to 0"),
         ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, "env.CUDA_VISIBLE_DEVICES: hpo sets it for each trial"),
         ({"env": {"HPO_SLOT": "1"}}, "env.HPO_SLOT: hpo sets it for each trial"),
-        ({"env": {"HPO_GPUS": "0"}}, "env.HPO_GPUS: the HPO_* variables are hpo's own"),
-        ({"env": {"HPO_ANYTHING": "x"}}, "env.HPO_ANYTHING: the HPO_* variables are hpo's own"),
+        ({"env": {"HPO_GPUS": "0"}}, "env.HPO_GPUS: hpo reads it from its own environment, not from a trial's"),
+        ({"env": {"HPO_DEBUG": "1"}}, "env.HPO_DEBUG: hpo reads it from its own environment, not from a trial's"),
         ({"resources": {"gpus_per_trial": "auto", "processes_per_trial": 100000}},
          "resources.processes_per_trial: 100000 processes per trial; a trial runs at most 1024"),
         ({"resources": {"gpus_per_trial": 5000}},
@@ -338,12 +340,19 @@ def test_a_scenario_that_is_not_utf8_names_the_file_and_line(tmp_path: Path, dat
     assert str(info.value) == f"lat.yaml line {line}: not UTF-8 text (byte {byte}); save it as UTF-8"
 
 
-def test_a_utf8_scenario_loads_with_or_without_a_byte_order_mark(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    path = write_scenario(tmp_path)
-    path.write_text(path.read_text(encoding="utf-8") + "env: {GREETING: café}\n", encoding="utf-8")
-    assert load_scenario(path).env == {"GREETING": "café"}
-    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
-    assert load_scenario(path).env == {"GREETING": "café"}
+def test_a_utf8_scenario_and_template_run_under_an_ascii_locale(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Scenario files and templates are UTF-8 (with or without a byte order mark) whatever the
+    locale: under LANG=C without Python's UTF-8 coercion, validate said ok and run died on a
+    bare UnicodeDecodeError (exit 1) reading the scenario again for the study."""
+    path = write_scenario(tmp_path, template_text="# café\nprint('val_error=0.5 test_error=0.5')\n")
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes() + "# the café's sweep\n".encode())
+    assert load_scenario(path).name == "demo"
+    env = {**cli_env(), "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for command in ("validate", "run"):
+        done = subprocess.run([sys.executable, "-m", "hpo", command, str(path)], env=env, capture_output=True,
+                              text=True, errors="replace", timeout=120, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "2/2 trials done: 2 complete." in done.stdout
 
 
 def test_a_folder_for_the_scenario_is_called_a_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
