@@ -3,12 +3,14 @@
 ``NO_WORKER_S``; real ``dask scheduler`` and ``dask worker`` processes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -203,23 +205,37 @@ def test_the_resources_a_hint_names_are_one_shell_word() -> None:
     assert dask_executor._amounts({"GPU": 1, "CPU": 2.0}) == "GPU=1,CPU=2"
 
 
-def test_workers_that_join_after_the_plan_grow_the_slots(tmp_path: Path) -> None:
-    """With resources.parallel: auto, the slots are planned from the workers connected when the
-    sweep starts; a worker that joined later sat idle for the whole sweep."""
+@contextlib.contextmanager
+def joined_later(tmp_path: Path, resources: Resources, plan: Callable[[DaskExecutor], None],
+                 said: list[str]) -> Iterator[DaskExecutor]:
+    """An executor on a cluster of one one-thread worker, planned by ``plan``; then a worker of
+    two threads joins (once the block is entered), and the block sees the executor."""
     dask = LocalDask(tmp_path / "dask")
     dask.worker("first", 1)
-    said: list[str] = []
-    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
+    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), resources, offered=(),
                             scheduler_lost_s=10, say=said.append)
     try:
         wait_for(lambda: executor.capacity() == 1, "the first worker did not connect", 10)
-        assert len(executor.plan()) == 1 and executor.slots_now() is None
+        plan(executor)
         dask.worker("later", 2)
-        wait_for(lambda: said, "the worker that joined was not said", 10)
-        assert executor.slots_now() == 3
+        wait_for(lambda: executor.capacity() == 3, "the later worker did not connect", 10)
+        yield executor
     finally:
         executor.close()
         dask.close()
+
+
+def test_workers_that_join_after_the_plan_grow_the_slots(tmp_path: Path) -> None:
+    """With resources.parallel: auto, the slots are planned from the workers connected when the
+    sweep starts; a worker that joined later sat idle for the whole sweep."""
+    said: list[str] = []
+
+    def plan(executor: DaskExecutor) -> None:
+        assert len(executor.plan()) == 1 and executor.slots_now() is None
+
+    with joined_later(tmp_path, Resources(), plan, said) as executor:
+        wait_for(lambda: said, "the worker that joined was not said", 10)
+        assert executor.slots_now() == 3
     assert said == [("hpo: the Dask workers connected now take 3 trials at once: this sweep runs 3 slots "
                     "(resources.parallel: auto)")]
 
@@ -227,40 +243,22 @@ def test_workers_that_join_after_the_plan_grow_the_slots(tmp_path: Path) -> None
 def test_slots_handed_out_to_workers_do_not_grow_and_the_joiner_is_said(tmp_path: Path) -> None:
     """hpo run --workers K --cluster gives each worker a fixed share of the slots planned: the
     sweep said it grew, and it did not."""
-    dask = LocalDask(tmp_path / "dask")
-    dask.worker("first", 1)
     said: list[str] = []
-    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(), offered=(),
-                            scheduler_lost_s=10, say=said.append)
-    try:
-        wait_for(lambda: executor.capacity() == 1, "the first worker did not connect", 10)
-        assert len(executor.plan(at_least=2, grows=False)) == 2
-        dask.worker("later", 2)
+    with joined_later(tmp_path, Resources(), lambda executor: executor.plan(at_least=2, grows=False),
+                      said) as executor:
         wait_for(lambda: said, "the worker that joined was not said", 10)
         assert executor.slots_now() is None
-    finally:
-        executor.close()
-        dask.close()
+        address = executor.address
     assert said == [(f"hpo: the Dask workers connected now take 3 trials at once; this sweep's workers run the 2 slots "
-                     f"planned when it started; `hpo worker SCENARIO --cluster {dask.address}` (with this sweep's "
+                     f"planned when it started; `hpo worker SCENARIO --cluster {address}` (with this sweep's "
                      "--storage and --workdir) joins it with slots of its own")]
 
 
 def test_a_set_parallel_does_not_grow(tmp_path: Path) -> None:
-    dask = LocalDask(tmp_path / "dask")
-    dask.worker("first", 1)
     said: list[str] = []
-    executor = DaskExecutor(Client(dask.address, timeout=10, set_as_default=False), Resources(parallel=1),
-                            offered=(), scheduler_lost_s=10, say=said.append)
-    try:
-        assert len(executor.plan()) == 1
-        dask.worker("later", 2)
-        wait_for(lambda: executor.capacity() == 3, "the later worker did not connect", 10)
+    with joined_later(tmp_path, Resources(parallel=1), lambda executor: executor.plan(), said) as executor:
         time.sleep(2 * dask_executor.WATCH_S)
         assert executor.slots_now() is None and not said
-    finally:
-        executor.close()
-        dask.close()
 
 
 def test_a_sweep_runs_trials_on_workers_that_join_while_it_runs(tmp_path: Path, write_scenario: WriteScenario) -> None:
