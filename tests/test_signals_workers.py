@@ -26,8 +26,11 @@ from hpo.store import SYS_STARTED, StudyStore
 
 
 def test_signals_then_kill_then_resume(tmp_path: Path) -> None:
-    """The sequence of the report: SIGINT, then SIGTERM, then kill -9, then a resume."""
-    path = write(tmp_path, 1)
+    """The sequence of the report: SIGINT, then SIGTERM, then kill -9, then a resume. Trials
+    last 1 s: the next trial must still run when the settling of trial 2 sends SIGTERM (a
+    design settles in the background), or a loaded machine starts trial 4 in the second run,
+    and the third, which kills itself as trial 4 starts, never does."""
+    path = write(tmp_path, 1, pause=1.0)
     assert hpo("run", str(path), faults="started@0=INT").returncode == 130
     assert hpo("run", str(path), faults="settled@2=TERM").returncode == 143
     assert hpo("run", str(path), faults="started@4=KILL").returncode == -9
