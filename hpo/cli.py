@@ -672,9 +672,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _whole_file(target: Path, flag: str) -> Iterator[Any]:
     """A text file to write ``target`` through, whole or not at all: a regular file is
     written beside it under a temporary name and renamed over it once closed (a device or
-    pipe, such as /dev/stdout, is written in place). A failure to write is an InputError
-    naming ``flag``, ``target`` and the system's reason, and leaves no temporary file."""
+    pipe, such as /dev/stdout, is written in place). A failure to write leaves no temporary
+    file; it is :class:`~hpo.render.FolderFull` for a full disk (exit 1), else an InputError
+    naming ``flag``, ``target`` and the system's reason."""
     from hpo.files import replacing
+    from hpo.render import folder_full
 
     existing = target.is_file()
     real = target.resolve() if existing else target  # a link to a file: the file is replaced
@@ -691,7 +693,7 @@ def _whole_file(target: Path, flag: str) -> Iterator[Any]:
             if existing:
                 shutil.copymode(real, temporary)
     except OSError as exc:
-        raise InputError(f"{flag}: cannot write {target}: {exc.strerror or exc}") from None
+        raise folder_full(exc, target) or InputError(f"{flag}: cannot write {target}: {exc.strerror or exc}") from None
 
 
 def _new_folder(folder: Path, flag: str) -> Path:
@@ -850,8 +852,12 @@ def cmd_best(args: argparse.Namespace) -> int:
 
 def _copy_folder(source: Path, target: Path, created: bool) -> None:
     """Copy ``source`` into the empty folder ``target``, whole or not at all (through a
-    temporary folder beside it); an InputError naming ``target`` and the system's reason
-    where it cannot be, ``target`` removed again if it was ``created`` for the copy."""
+    temporary folder beside it); where it cannot be, ``target`` is removed again if it was
+    ``created`` for the copy, and :class:`~hpo.render.FolderFull` (a full disk, exit 1) or an
+    InputError names ``target`` and the system's reason."""
+    from hpo.render import FolderFull
+    from hpo.storage import disk_full, free_space
+
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         shutil.copytree(source, temporary)
@@ -860,7 +866,8 @@ def _copy_folder(source: Path, target: Path, created: bool) -> None:
         if created:
             with contextlib.suppress(OSError):
                 target.rmdir()
-        raise InputError(f"--copy-to: cannot copy {source} to {target}: {_why(exc)}") from None
+        line = f"--copy-to: cannot copy {source} to {target}: {_why(exc)}"
+        raise (FolderFull(f"{line} ({free_space(target.parent)})") if disk_full(exc) else InputError(line)) from None
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
 
@@ -1257,6 +1264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except Exception as exc:
         from hpo.output import StdoutRefused
+        from hpo.render import FolderFull
+
+        if isinstance(exc, FolderFull):  # an output file of a command, on a full disk: not bad input
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
 
         if isinstance(exc, StdoutRefused):
             _stdout_gone()

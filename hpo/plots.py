@@ -42,6 +42,7 @@ from matplotlib.ticker import FuncFormatter, Locator, LogLocator, MaxNLocator, N
 from hpo.errors import InputError
 from hpo.files import replacing
 from hpo.outcome import Outcome
+from hpo.render import folder_full
 from hpo.scenario import Param, Scenario
 
 if TYPE_CHECKING:
@@ -414,12 +415,13 @@ def _style() -> Iterator[None]:
 
 def _save(figure: Figure, path: Path, **options: Any) -> Path:
     """Write ``figure`` to ``path`` whole or not at all (through a temporary file beside it);
-    an InputError naming ``path`` and the system's reason where it cannot be written."""
+    where it cannot be written, :class:`~hpo.render.FolderFull` for a full disk (no fault of
+    the input: exit 1), else an InputError naming ``path`` and the system's reason."""
     try:
         with replacing(path) as temporary:
             figure.savefig(temporary, **options)
     except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise folder_full(exc, path) or InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
 

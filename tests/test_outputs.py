@@ -139,10 +139,15 @@ def test_status_shows_gpu_shares_and_the_seconds_of_running_trials(tmp_path: Pat
     assert len(done) == 2 and all("1 (1/2)" in line and "(running)" not in line for line in done)
 
 
-def test_export_to_a_full_disk_is_one_line_and_exit_2(study: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["export", str(study), "-o", "/dev/full"]) == 2
+def test_export_to_a_full_disk_is_one_line_and_exit_1(study: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk is no fault of the input (it was exit 2, as bad input); an -o that cannot be
+    written for another reason stays bad input."""
+    assert main(["export", str(study), "-o", "/dev/full"]) == 1
     captured = capsys.readouterr()
-    assert (captured.out, captured.err) == ("", "error: -o: cannot write /dev/full: No space left on device\n")
+    assert captured.out == "" and captured.err.startswith("error: cannot write /dev/full: No space left on device (")
+    assert captured.err.count("\n") == 1
+    assert main(["export", str(study), "-o", "/proc/version"]) == 2
+    assert capsys.readouterr().err.startswith("error: -o: cannot write /proc/version: ")
 
 
 @pytest.mark.parametrize("args", [(), ("-o", "-")], ids=["no-o", "o-dash"])
@@ -172,9 +177,9 @@ def test_an_export_that_fails_midway_leaves_the_last_file_whole(study: Path, mon
 
     monkeypatch.setattr("hpo.cli.export_rows", disk_full_midway)
     capsys.readouterr()
-    assert main(["export", str(study), "-o", str(out)]) == 2
+    assert main(["export", str(study), "-o", str(out)]) == 1
     captured = capsys.readouterr()
-    assert (captured.out, captured.err) == ("", f"error: -o: cannot write {out}: No space left on device\n")
+    assert captured.out == "" and captured.err.startswith(f"error: cannot write {out}: No space left on device (")
     assert out.read_text() == before
     assert sorted(p.name for p in out.parent.iterdir()) == ["results.csv", "runs", "scenario.yaml", "train.py.j2"]
     monkeypatch.undo()
@@ -192,9 +197,10 @@ def test_a_copy_of_the_best_trial_that_fails_midway_leaves_nothing(study: Path, 
 
     monkeypatch.setattr(shutil, "copytree", disk_full_midway)
     target = study.parent / "best" / "copy"
-    assert main(["best", str(study), "--copy-to", str(target)]) == 2
+    assert main(["best", str(study), "--copy-to", str(target)]) == 1
     err = capsys.readouterr().err
-    assert re.fullmatch(rf"error: --copy-to: cannot copy \S+/trial-000\d to {target}: No space left on device\n", err)
+    assert re.fullmatch(rf"error: --copy-to: cannot copy \S+/trial-000\d to {target}: No space left on device "
+                        r"\(.* free on .*\)\n", err), err
     assert list(target.parent.iterdir()) == []
     monkeypatch.undo()
     assert main(["best", str(study), "--copy-to", str(target)]) == 0

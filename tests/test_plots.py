@@ -33,6 +33,7 @@ from hpo.plots import (
     value_axis,
     varying_params,
 )
+from hpo.render import FolderFull
 from hpo.scenario import Objective, Param, Scenario, Search
 
 DISTRIBUTIONS: dict[str, BaseDistribution] = {
@@ -497,9 +498,9 @@ def test_a_chart_that_cannot_be_written_is_named_and_left_out_whole(failing: str
 
     monkeypatch.setattr(Figure, "savefig", disk_full)
     study, rows = digits_study()
-    with pytest.raises(InputError) as raised:
+    with pytest.raises(FolderFull) as raised:
         draw_all(study, scenario(), tmp_path, rows=rows)
-    assert str(raised.value) == f"cannot write {tmp_path / failing}.png: No space left on device"
+    assert str(raised.value).startswith(f"cannot write {tmp_path / failing}.png: No space left on device (")
     written = {"states": ["history.png"], "slice": ["history.png", "importances.png", "states.png"]}[failing]
     assert sorted(path.name for path in tmp_path.iterdir()) == written
     assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in tmp_path.iterdir())
