@@ -1203,10 +1203,11 @@ def _start_forest_helper(scenario_path: str) -> None:
     opens the store. :func:`_run_sweep` stops it if the sweep's sampler has no use for it."""
     import yaml
 
-    from hpo.scenario import UniqueKeyLoader, scenario_file_text
+    from hpo.files import utf8_text
+    from hpo.scenario import UniqueKeyLoader
 
     try:
-        method = yaml.load(scenario_file_text(Path(scenario_path)), Loader=UniqueKeyLoader)["search"]["method"]
+        method = yaml.load(utf8_text(Path(scenario_path)), Loader=UniqueKeyLoader)["search"]["method"]
     except Exception:  # the scenario's own loading says what is wrong with it
         return
     if method == "smac":

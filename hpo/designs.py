@@ -16,7 +16,6 @@ on resume (:func:`hpo.spacecheck.design_change`), so rows are added at the end o
 """
 from __future__ import annotations
 
-import codecs
 import csv
 import io
 import itertools
@@ -28,6 +27,7 @@ import numpy as np
 
 from hpo import space
 from hpo.errors import InputError
+from hpo.files import utf8_text
 from hpo.scenario import DESIGN_METHODS, Param, Scenario
 
 Point = dict[str, Any]
@@ -84,14 +84,7 @@ def csv_rows(scenario: Scenario) -> list[tuple[int, Point]]:
         raise InputError(f"search.csv: {path} is a folder; name the design CSV in it")
     if not path.is_file():
         raise InputError(f"search.csv: design file {path} not found")
-    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{path.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
-                         "save it as CSV UTF-8") from None
-    rows = _read_rows(path.name, text)
+    rows = _read_rows(path.name, utf8_text(path, save_as="CSV UTF-8"))
     if not rows:
         raise InputError(f"{path.name}: the design CSV is empty")
     header = [cell.strip() for cell in rows[0][1]]

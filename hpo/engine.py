@@ -761,15 +761,15 @@ class _Control(TrialControl):
         parameters = self._sweep._scenario.parameters
         constants = {name: value for name, value in claim.params.items()
                      if name in parameters and parameters[name].type == "constant"}
+        where = slot.describe()
         self._sweep.store.set_system(claim.number, SYS_STARTED, {
-            "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "where": slot.describe(),
-            "folder": str(claim.folder),
+            "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "where": where, "folder": str(claim.folder),
             "pid": os.getpid(), "at": time.time(), "constants": constants})
         running = self._running()
         if running is not None:
             running.started = True
         self._sweep._full.written(claim.number)  # its files were
-        self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, slot.describe(),
+        self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, where,
                                     claim.folder, claim.repeat_of))
         fault_point("started", claim.number)
 

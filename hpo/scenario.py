@@ -8,7 +8,6 @@ errors.
 """
 from __future__ import annotations
 
-import codecs
 import difflib
 import math
 import re
@@ -21,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from hpo.errors import InputError
+from hpo.files import utf8_text
 from hpo.results import RESERVED_ATTRS, STEP_KEY
 
 DESIGN_METHODS = ("monte_carlo", "csv", "grid", "sobol", "lhs")
@@ -825,18 +825,6 @@ def _example_in(folder: Path) -> str:
     return f", e.g. {first}" if first else ""
 
 
-def scenario_file_text(file: Path) -> str:
-    """The text of ``file`` read as UTF-8 (with or without a byte order mark), whatever the
-    locale; InputError naming the file and the line of the first byte that is not UTF-8."""
-    data = file.read_bytes().removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{file.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
-                         "save it as UTF-8") from None
-
-
 def load_scenario(path: str | Path) -> Scenario:
     """Read, validate and freeze the scenario at ``path`` (see the module docstring)."""
     file = Path(path)
@@ -845,7 +833,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = yaml.load(scenario_file_text(file), Loader=UniqueKeyLoader)
+        raw = yaml.load(utf8_text(file), Loader=UniqueKeyLoader)
     except DuplicateKeyError as exc:
         raise InputError(f"{file.name}: {exc.problem}") from None
     except yaml.YAMLError as exc:

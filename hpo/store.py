@@ -34,10 +34,11 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import rowcache, space
 from hpo.errors import InputError
 from hpo.faults import fault_point
+from hpo.files import utf8_text
 from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
-from hpo.scenario import Scenario, scenario_file_text
+from hpo.scenario import Scenario
 from hpo.spacecheck import INDEXED_DESIGNS, design_change, space_change, stored_change
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
@@ -573,6 +574,6 @@ def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False)
 def scenario_text(path: Path) -> str:
     """The scenario file's text, as recorded on the study (read as :func:`load_scenario` reads it)."""
     try:
-        return scenario_file_text(path)
+        return utf8_text(path)
     except (OSError, InputError):
         return json.dumps({"path": str(path)})
