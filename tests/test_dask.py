@@ -507,11 +507,12 @@ def test_a_pruned_sweep_records_on_dask_what_it_records_on_this_machine(cluster:
     assert recorded["dask"] == recorded["local"]
 
 
-def tokens_alive(token_prefix: str) -> list[int]:
+def tokens_alive(token: str) -> list[int]:
+    """The processes of this machine that carry the trial token ``token``."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(TOKEN_ENV, "").startswith(token_prefix):
+            if proc.environ().get(TOKEN_ENV) == token:
                 found.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -548,7 +549,8 @@ def test_a_worker_killed_mid_trial_loses_nothing(own_cluster: LocalDask, write_s
     again = [row for row in rows if row.requeue_of == 1]
     assert len(again) == 1 and again[0].params == lost[0].params and again[0].outcome is Outcome.COMPLETE
     assert not any(row.outcome is Outcome.RUNNING for row in rows)
-    assert tokens_alive("demo:1:") == []
+    token = next(str(run_info(trial)["token"]) for trial in sweep.store.trials() if trial.number == 1)
+    assert tokens_alive(token) == []  # its token: another test's "demo" study may run a trial 1 meanwhile
 
 
 def held_sweep(tmp_path: Path, write_scenario: WriteScenario, address: str, trials: int,
