@@ -41,6 +41,7 @@ time.sleep({{ nap }})
 report(val_error={{ x }})
 """
 
+GO = 'while {{ trial_number }} == 0 and not pathlib.Path("go").exists():\n    time.sleep(0.01)\n'
 ENDED = ("running trials were recorded INTERRUPTED and queued again, trials claimed ahead went back to the queue; "
          "run the same command to resume")
 
@@ -85,7 +86,7 @@ def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
     whose INTERRUPTED record (queued again under the lock) must then wait."""
     monkeypatch.setattr("hpo.engine.STOPPING_STORE_RETRY_S", 0.5)
     monkeypatch.setenv("HPO_GPUS", "")
-    path = write_scenario(tmp_path, template_text=TRIAL, drop=["parameters.opt"],
+    path = write_scenario(tmp_path, template_text=TRIAL.replace("time.sleep", GO + "time.sleep"), drop=["parameters.opt"],
                           parameters={"nap": {"type": "constant", "value": nap}},
                           search={"method": "tpe", "trials": 3}, objective={"held_out": []})
     url = storage_url(load_scenario(path), workdir=tmp_path / "w")
@@ -95,15 +96,21 @@ def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
     def interrupt() -> None:
         wait_for(lambda: (first / "began").exists())
         holder.append(holders(url))
+        (first / "go").touch()  # trial 0 ends only now that the lock is held: the next claim must wait for it
         if waiting == "to claim":
             wait_for(lambda: (first / "result.json").exists())
             time.sleep(0.3)
-        os.kill(os.getpid(), sig)
+        if not returned.is_set():  # a signal after the sweep would end this test process
+            os.kill(os.getpid(), sig)
 
+    returned = threading.Event()
     signaller = threading.Thread(target=interrupt)
     signaller.start()
     began = time.monotonic()
-    code = cli.main(["run", str(path), "--workdir", str(tmp_path / "w")])
+    try:
+        code = cli.main(["run", str(path), "--workdir", str(tmp_path / "w")])
+    finally:
+        returned.set()
     signaller.join()
     out, err = capsys.readouterr()
     assert code == 128 + sig, err

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from conftest import WriteScenario, cli_env
 from distributed import Client
@@ -220,13 +221,18 @@ class RestartableDask(LocalDask):
         self.scheduler = self._spawn(argv, f"scheduler-{len(self.procs)}.log", cli_env())
         address = f"tcp://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return address
-            except OSError:
-                assert time.monotonic() < deadline and self.scheduler.poll() is None, "the scheduler did not start"
-                time.sleep(0.05)
+        while not self._listens():  # its own process: another test's may have taken the port meanwhile
+            assert time.monotonic() < deadline and self.scheduler.poll() is None, "the scheduler did not start"
+            time.sleep(0.05)
+        return address
+
+    def _listens(self) -> bool:
+        """Whether the scheduler process started last listens on the port."""
+        try:
+            connections = psutil.Process(self.scheduler.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in connections)
 
     def restart(self) -> None:
         """Kill the scheduler (its workers close) and start a new one at the same address."""

@@ -10,8 +10,8 @@ import csv
 import io
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -108,10 +108,13 @@ def test_a_study_is_first_class_for_optuna_and_its_dashboard(tmp_path: Path) -> 
                    "user_attrs_correct"):
         assert column in frame.columns
     assert "params_epochs" not in frame.columns  # constants are not searched
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "hpo", "dashboard", str(path), "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "hpo", "dashboard", str(path), "--port", "0"],
                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        assert server.stdout is not None
+        served = re.search(r"http://127\.0\.0\.1:(\d+)/dashboard/", server.stdout.readline())
+        assert served is not None, server.communicate(timeout=30)
+        port = int(served[1])  # the port it got: a port found free beforehand may be taken by then
         studies = _get_json(f"http://127.0.0.1:{port}/api/studies", server)
         entry = next(s for s in studies["study_summaries"] if s["study_name"] == "mnist-unmodified")
         detail = _get_json(f"http://127.0.0.1:{port}/api/studies/{entry['study_id']}", server)
@@ -145,12 +148,6 @@ def test_rerun_repeats_a_configuration_without_using_budget(tmp_path: Path) -> N
     assert "10/10 trials done" in status.stdout
     assert json.loads((Path(rerun["folder"]) / "params.json").read_text())["trial_seed"] == json.loads(
         (Path(original["folder"]) / "params.json").read_text())["trial_seed"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _get_json(url: str, server: subprocess.Popen[str]) -> dict:  # type: ignore[type-arg]

@@ -358,7 +358,7 @@ def test_the_pruner_judges_every_step_in_turn_however_fast_they_come(tmp_path: P
             print(json.dumps({"step": step, "val_error": 1.0 / step}))
         time.sleep(1.0)
         """), control)
-    assert len(control.judged) > 100 and control.judged == list(range(1, len(control.judged) + 1))
+    assert len(control.judged) > 50 and control.judged == list(range(1, len(control.judged) + 1))
     assert [step for step, _ in control.values] == list(range(1, 301))  # the rest recorded once it ended
 
 

@@ -1,15 +1,17 @@
 """A PostgreSQL server restarted and stopped under a 2-worker sweep: nothing lost, nothing doubled.
 
 The test creates a private cluster of its own (Debian's ``pg_createcluster``, named for this
-process, on the first port from 5433 free when the fixture starts), stops and starts it with ``pg_ctlcluster``,
-and removes it at the end, so the shared server other tests use is never stopped, and no other
-run of the suite on the machine can start or stop this one. It needs Debian's PostgreSQL server
-packages and root (CI has both); elsewhere it is skipped.
+process, on the first port from 5433 that is free when the fixture starts and that a lock file
+reserves), stops and starts it with ``pg_ctlcluster``, and removes it at the end, so the shared
+server other tests use is never stopped, and no other run of the suite on the machine can start,
+stop or take the port of this one. It needs Debian's PostgreSQL server packages and root (CI
+has both); elsewhere it is skipped.
 """
 from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import os
 import re
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 from conftest import cli_env
@@ -32,16 +35,26 @@ from hpo.scenario import load_scenario
 from hpo.store import StudyStore
 
 
-def _free_port() -> int:
-    """The first port from 5433 that nothing listens on: below the ephemeral range, so no
-    process that binds port 0 (a Dask scheduler) takes it while the cluster is stopped."""
+def _reserve_port() -> tuple[int, IO[bytes]]:
+    """The first port from 5433 that nothing listens on and no other run of this module holds,
+    with the open lock file that holds it (an flock, released when the file is closed or its
+    process dies): the cluster leaves its port free while it is stopped, and another run of
+    the suite on the machine would otherwise create its cluster there. Below the ephemeral
+    range, so no process that binds port 0 (a Dask scheduler) takes it meanwhile."""
     for port in range(5433, 5533):
+        lock = open(f"/tmp/hpotest-pg-{port}.lock", "ab")  # noqa: SIM115 (held for the module)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
         with contextlib.closing(socket.socket()) as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
+                lock.close()
                 continue
-            return port
+        return port, lock
     raise RuntimeError("no free port in 5433-5532")
 
 
@@ -66,17 +79,18 @@ def server() -> Iterator[str]:
         pytest.skip("needs root and Debian's PostgreSQL server packages")
     global PORT, URL
     version = max(os.listdir("/usr/lib/postgresql"), key=lambda v: [int(p) for p in v.split(".")])
-    PORT = _free_port()
+    PORT, lock = _reserve_port()
     URL = f"postgresql://hpo:hpo@127.0.0.1:{PORT}/hpo"
-    _pg("pg_dropcluster", version, CLUSTER, "--stop")
-    created = _pg("pg_createcluster", version, CLUSTER, "-p", str(PORT), "--start")
-    assert created.returncode == 0, created.stderr
-    try:
-        _psql("CREATE ROLE hpo LOGIN PASSWORD 'hpo'")
-        _psql("CREATE DATABASE hpo OWNER hpo")
-        yield version
-    finally:
+    with lock:
         _pg("pg_dropcluster", version, CLUSTER, "--stop")
+        created = _pg("pg_createcluster", version, CLUSTER, "-p", str(PORT), "--start")
+        assert created.returncode == 0, created.stderr
+        try:
+            _psql("CREATE ROLE hpo LOGIN PASSWORD 'hpo'")
+            _psql("CREATE DATABASE hpo OWNER hpo")
+            yield version
+        finally:
+            _pg("pg_dropcluster", version, CLUSTER, "--stop")
 
 
 def _stop(server: str) -> None:
