@@ -112,6 +112,17 @@ def run_info(trial: FrozenTrial) -> dict[str, object]:
     return dict(trial.system_attrs.get(SYS_RUN) or trial.user_attrs.get("run") or {})
 
 
+def last_sign_of_life(trial: FrozenTrial) -> float | None:
+    """When running ``trial``'s worker was last known alive: its last heartbeat or its claim,
+    whichever came later (a trial claimed again keeps the heartbeats of its earlier claim),
+    else its start in the store; None where none is known."""
+    marks = [float(mark) for mark in (trial.system_attrs.get(SYS_HEARTBEAT), run_info(trial).get("claimed_at"))
+             if mark is not None]
+    if marks:
+        return max(marks)
+    return None if trial.datetime_start is None else trial.datetime_start.timestamp()
+
+
 def ran_s(trial: FrozenTrial) -> float:
     """Seconds the stale ``trial`` is known to have run: from its start (``at`` in its start
     record, else its claim) to its last heartbeat, the last moment its worker is known to
@@ -146,9 +157,7 @@ def gone_why(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: 
         return "its process is gone"
     if not judge_beats:
         return None
-    beat = trial.system_attrs.get(SYS_HEARTBEAT)
-    if beat is None and trial.datetime_start is not None:
-        beat = trial.datetime_start.timestamp()
+    beat = last_sign_of_life(trial)
     if beat is None:
         return "it never beat"
     silent = now - float(beat) if host == HOST else BEATS.silent_s(trial, float(beat))

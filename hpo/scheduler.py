@@ -21,6 +21,7 @@ exceed the budget.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Container
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ class Scheduler:
         if seed is None:
             seed = trial_seed(store.scenario.search.seed, trial.number)
         store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
-                                                 "seed": self._seed, "trial_seed": seed})
+                                                 "seed": self._seed, "trial_seed": seed, "claimed_at": time.time()})
         fault_point("claim", trial.number)
         return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable,
                      repeats)

@@ -227,3 +227,22 @@ def test_a_lost_trial_records_how_long_it_ran_until_its_last_heartbeat(
     recover(scheduler, tmp_path)
     row = store.rows()[0]
     assert row.outcome is Outcome.LOST and row.duration_s == pytest.approx(duration, abs=1e-3)
+
+
+def test_a_trial_claimed_again_is_not_judged_by_its_earlier_claims_heartbeat(tmp_path: Path,
+                                                                             write_scenario: WriteScenario) -> None:
+    """A trial claimed ahead and beaten, put back to WAITING by a stopped sweep and claimed
+    again on resume kept its old heartbeat: another worker judged it gone before the new
+    claim's first beat ('no heartbeat for 9.0 s') and killed the trial just started."""
+    scheduler = make(tmp_path, write_scenario)
+    first = claim_as(scheduler, LIVE, started=False)
+    scheduler.store.set_system(first.number, SYS_HEARTBEAT, time.time() - 60)
+    assert gone_why(scheduler.store.trial(first.number), time.time(), 1.0, ME, set()) == "no heartbeat for 60.0 s"
+    assert scheduler.store.back_to_waiting(first.number)
+    with scheduler.store.lock():
+        again = scheduler.claim(set())
+    assert isinstance(again, Claim) and again.number == first.number
+    trial = scheduler.store.trial(again.number)
+    assert trial.system_attrs[SYS_HEARTBEAT] < time.time() - 59  # the earlier claim's beat is still there
+    assert gone_why(trial, time.time(), 1.0, "another-worker", set()) is None
+    assert (gone_why(trial, time.time() + 10, 1.0, "another-worker", set()) or "").startswith("no heartbeat for 1")
