@@ -492,6 +492,9 @@ def _work(args: argparse.Namespace) -> int:
     return _run_sweep(ctx, slots, seed, args, executor)
 
 
+REASON_MIN_WIDTH = 12  # hpo status: the narrowest a column of text (the reason) folds to
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the last trials (* marks the best) and a summary; --all prints every trial."""
     from rich.console import Console
@@ -515,11 +518,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = _PipeConsole() if sys.stdout.isatty() else _PipeConsole(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
     names = _param_columns(scenario, rows, constants=False)
-    table = Table()
     running = any(row.gpus for row in shown)
-    for column in ("trial", "state", *names, scenario.objective.metric, *scenario.objective.held_out, "seconds",
-                   *(["GPUs"] if running else []), "reason"):
-        table.add_column(column, overflow="fold", no_wrap=column in ("trial", "state"))  # COMPLETE, never COMPLET/E
     best = summary.best
     live = _running_trials(ctx, shown)
     since = _running_since(live)
@@ -527,23 +526,53 @@ def cmd_status(args: argparse.Namespace) -> int:
     digits = {name: distinct_digits(row.params.get(name) for row in shown) for name in names}
     value_digits = distinct_digits([row.value for row in shown] + ([best.value] if best else []))
     held_digits = {name: distinct_digits(row.held_out.get(name) for row in shown) for name in held_out}
+    cells, reasons = [], []
     for row in shown:
         mark = " *" if best is not None and row.number == best.number else ""
         gone = _worker_gone(ctx, live[row.number]) if row.number in live else None
         seconds = f"{time.time() - since[row.number]:.1f}{'' if gone else ' (running)'}" if row.number in since \
             else _number(row.duration_s, ".1f")
-        reason = f"its worker is gone ({gone}): {_RECORDED_LATER}" if gone else _reason(row)
-        table.add_row(f"{row.number}{mark}", row.state, *(_cell(row.params.get(n), digits[n]) for n in names),
+        reasons.append(f"its worker is gone ({gone}): {_RECORDED_LATER}" if gone else _reason(row))
+        cells.append([f"{row.number}{mark}", row.state, *(_cell(row.params.get(n), digits[n]) for n in names),
                       _number(row.value, f".{value_digits}g"),
                       *(_number(row.held_out.get(h), f".{held_digits[h]}g") for h in held_out),
-                      seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else []), reason)
+                      seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else [])])
+    table = Table()
+    headers = ("trial", "state", *names, scenario.objective.metric, *held_out, "seconds", *(["GPUs"] if running else []))
+    widths = []
+    for index, header in enumerate(headers):  # a number is never split or cut: 0.000/3683 read as two numbers
+        column = [row_cells[index] for row_cells in cells]
+        widest = max(len(text) for text in [header, *column])
+        if index < 2 or all(_numeric(text) for text in column):
+            table.add_column(header, no_wrap=True, min_width=widest)
+            widths.append(widest)
+        else:  # text (a categorical value) folds
+            table.add_column(header, overflow="fold", min_width=min(widest, REASON_MIN_WIDTH))
+            widths.append(min(widest, REASON_MIN_WIDTH))
+    if any(reasons):  # free text, the one column that folds in a narrow terminal
+        table.add_column("reason", overflow="fold", min_width=REASON_MIN_WIDTH)
+        widths.append(REASON_MIN_WIDTH)
+    needed = sum(widths) + 3 * len(widths) + 1  # with each column's padding and rule
+    wide = console if console.width >= needed else _PipeConsole(width=needed)  # the terminal wraps its rows
+    for row_cells, reason in zip(cells, reasons):
+        table.add_row(*row_cells, *([reason] if any(reasons) else []))
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
-        console.print(table)
+        wide.print(table)
     console.print(summary_line(summary, scenario.objective.metric, value_digits), highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"best params: {format_params(best.params, 6)}", highlight=False, soft_wrap=True)
     return EXIT_OK
+
+
+def _numeric(cell: str) -> bool:
+    """Whether a status cell is a number (or empty, or a number followed by words: ``3.2 (running)``)."""
+    word = cell.split(" ", 1)[0]
+    try:
+        float(word)
+    except ValueError:
+        return word in ("", "-")
+    return True
 
 
 def _status_title(name: str, shown: Sequence[Any], total: int) -> str:
