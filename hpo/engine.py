@@ -618,7 +618,8 @@ class Sweep:
 
     def rerun(self, number: int, seed: int | None = None) -> tuple[TrialRow, TrialResult]:
         """Run trial ``number``'s configuration again as a new trial on the first slot
-        (``hpo rerun``); ``seed`` is its ``trial_seed`` (default: the original's)."""
+        (``hpo rerun``); ``seed`` is its ``trial_seed`` (default: an interrupted rerun's own,
+        else the original's)."""
         store = self.store
         original = store.rows([store.trial(number)])[0]
         if not original.params or original.outcome is Outcome.WAITING:
@@ -627,9 +628,8 @@ class Sweep:
         if changed is not None:
             raise InputError(f"trial {number}: {changed}; hpo rerun runs a configuration of the scenario's search "
                              "space as it is: rerun a trial run since the change")
-        if seed is None:
-            seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
-        claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed))
+        default_seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
+        claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed, default_seed))
         with self._lock:
             self._running[claim.number] = _Running(claim)
         self.watchdog.start(self._on_fatal)

@@ -233,19 +233,25 @@ class Scheduler:
             return int(seed)
         return trial_seed(self.store.scenario.search.seed, number if original is None else original)
 
-    def claim_rerun(self, original: TrialRow, seed: int) -> Claim:
-        """A trial that runs ``original``'s configuration again with ``trial_seed`` ``seed``,
-        marked ``rerun_of`` (it uses no budget, is never pruned): the first queued rerun of
-        ``original`` (one that was interrupted or lost), else a new one. Call under the ask lock."""
+    def claim_rerun(self, original: TrialRow, seed: int | None, default_seed: int) -> Claim:
+        """A trial that runs ``original``'s configuration again, marked ``rerun_of`` (it uses
+        no budget, is never pruned): the first queued rerun of ``original`` (one that was
+        interrupted or lost), else a new one. Its ``trial_seed`` is ``seed``; where None, a
+        queued rerun's own (the ``--seed`` of the rerun interrupted), as ``hpo run`` would run
+        it, else ``default_seed``. Call under the ask lock."""
         store = self.store
 
         def queued() -> list[int]:
             return sorted(t.number for t in store.trials(states=(TrialState.WAITING,))
                           if t.user_attrs.get(ATTR_RERUN_OF) == original.number)
 
-        if not queued():
+        waiting = queued()
+        if waiting and seed is None:
+            seed = self._recorded_seed(store.trials(), waiting[0], original.number)
+        if not waiting:
             store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
-        return self._claimed(store.claim_waiting(queued()[0]), seed, prunable=False, repeats=original.number)
+        return self._claimed(store.claim_waiting(queued()[0]), default_seed if seed is None else seed, prunable=False,
+                             repeats=original.number)
 
     def _twin(self, trial: optuna.Trial) -> int | None:
         """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued

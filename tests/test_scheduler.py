@@ -178,7 +178,7 @@ def test_a_rerun_uses_no_budget_and_keeps_the_configuration(tmp_path: Path, writ
     store = scheduler.store
     store.enqueue({"x": 0.9, "opt": "a"}, {})  # a queued trial must not be claimed by the rerun
     with store.lock():
-        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77, default_seed=5)
     assert rerun.params == c.params and rerun.seed == 77 and rerun.number == 2
     complete(scheduler, rerun, 0.25)
     rows = store.rows()
@@ -246,20 +246,21 @@ def test_queued_copies_wait_past_a_lowered_budget(tmp_path: Path, write_scenario
 def test_a_queued_rerun_is_resumed_by_the_next_rerun_of_its_trial(tmp_path: Path, write_scenario: WriteScenario,
                                                                   how: str) -> None:
     """hpo rerun N runs the queued rerun of N (interrupted, or a claim that went back to the
-    queue) instead of a new one, so nothing is left for hpo run to run a second time."""
+    queue) instead of a new one, so nothing is left for hpo run to run a second time; without
+    --seed, with the seed the interrupted rerun had (as hpo run does), not the original's."""
     scheduler = make(tmp_path, write_scenario, trials=1)
     complete(scheduler, claim(scheduler))
     store = scheduler.store
     with store.lock():
-        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77, default_seed=5)
     if how == "interrupted":
         assert scheduler.settle(rerun, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
     else:
         assert store.back_to_waiting(rerun.number)
     queued = len(store.rows()) - 1
     with store.lock():
-        resumed = scheduler.claim_rerun(store.rows()[0], seed=77)
-    assert (resumed.number, resumed.seed, resumed.prunable) == (queued, 77, False)
+        resumed = scheduler.claim_rerun(store.rows()[0], seed=None, default_seed=5)  # hpo rerun N without --seed
+    assert (resumed.number, resumed.seed, resumed.prunable) == (queued, 77, False)  # the interrupted rerun's seed
     complete(scheduler, resumed)
     with store.lock():
         assert scheduler.claim(set()) is None
@@ -273,7 +274,7 @@ def test_hpo_run_runs_a_queued_rerun_with_its_seed_past_the_budget(tmp_path: Pat
     complete(scheduler, original)
     store = scheduler.store
     with store.lock():
-        rerun = scheduler.claim_rerun(store.rows()[0], seed=77)
+        rerun = scheduler.claim_rerun(store.rows()[0], seed=77, default_seed=5)
     assert scheduler.settle(rerun, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
     resumed = claim(scheduler)
     assert (resumed.number, resumed.params, resumed.seed, resumed.prunable) == (2, original.params, 77, False)
