@@ -57,8 +57,9 @@ class Tally:
     """The study at a glance, from its rows: ``done`` trials used the budget and ended,
     ``reruns`` are reruns (``hpo rerun``) that so ended, and ``past_budget`` of the WAITING
     trials wait past the budget (``search.trials`` was lowered): they run only if it is raised.
-    ``counts`` leave out the ``retried`` failures (``search.retry_failed``): their retry stands
-    for their configuration."""
+    ``counts`` leave out the failures that ``search.retry_failed`` ran again (``retried``) or
+    queued again (``retry_waiting``: their retry waits): their retry stands for their
+    configuration."""
 
     budget: int
     done: int
@@ -70,6 +71,7 @@ class Tally:
     reruns: int
     past_budget: int
     retried: int
+    retry_waiting: int
 
 
 def eta(t: Tally, since: Mapping[int, float], now: float) -> str:
@@ -91,6 +93,7 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
     ended = [r for r in standing(rows) if r.outcome.ended]
     again = retried(rows)
+    queued_again = {r.retry_of for r in rows if r.retry_of is not None and r.outcome is Outcome.WAITING}
     done = sum(1 for r in ended if r.rerun_of is None)
     in_flight = sum(1 for r in rows if r.outcome is Outcome.RUNNING and r.rerun_of is None)
     waiting = sum(1 for r in rows if r.outcome is Outcome.WAITING and r.rerun_of is None)
@@ -99,7 +102,7 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
                  failures=tuple(failed[-FAILURES_SHOWN:]),
                  mean_duration_s=sum(durations) / len(durations) if durations else None,
                  reruns=len(ended) - done, past_budget=max(0, waiting - max(0, budget - done - in_flight)),
-                 retried=len(again))
+                 retried=len(again - queued_again), retry_waiting=len(queued_again))
 
 
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
@@ -172,6 +175,10 @@ def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
         text += f"; also {', '.join(again)} (not their fault: run again)"
     if t.retried:
         text += f"; {t.retried} failed {'attempts' if t.retried > 1 else 'attempt'} retried (search.retry_failed)"
+    if t.retry_waiting:
+        text += (f"; {t.retry_waiting} failed {'attempts' if t.retry_waiting > 1 else 'attempt'} "
+                 f"{'wait' if t.retry_waiting > 1 else 'waits'} for {'their' if t.retry_waiting > 1 else 'its'} "
+                 "retry (search.retry_failed)")
     if t.past_budget:
         text += f"; {t.past_budget} waiting past the budget (not run unless search.trials is raised)"
     return text + "." + best_text(t.best, metric, digits)

@@ -201,8 +201,18 @@ def test_the_eta_counts_down_while_trials_run() -> None:
     """It stayed at the mean duration from a trial's start to its end (hours, for hour-long trials)."""
     running = tuple(replace(_row(n, 0.5), outcome=Outcome.RUNNING) for n in (2, 3))
     t = Tally(budget=6, done=2, counts={}, best=None, running=running, failures=(), mean_duration_s=12.0, reruns=0,
-              past_budget=0, retried=0)
+              past_budget=0, retried=0, retry_waiting=0)
     assert eta(t, {2: 100.0, 3: 100.0}, now=100.0) == "00:00:24"
     assert eta(t, {2: 100.0, 3: 100.0}, now=106.0) == "00:00:18"
     assert eta(t, {2: 100.0, 3: 100.0}, now=130.0) == "00:00:12"
     assert eta(replace(t, mean_duration_s=None), {}, now=0.0) == "-"
+
+
+def test_a_failure_whose_retry_waits_is_not_said_retried() -> None:
+    """With search.trials lowered, retries waited past the budget and the summary said their
+    failures '3 failed attempts retried' though none ran again."""
+    waiting_retry = replace(_failed(2, retry_of=1), outcome=Outcome.WAITING, reason="")
+    rows = [_row(0, 0.3), _failed(1), waiting_retry, _failed(3), _row(4, 0.2), _failed(5, retry_of=3)]
+    line = summary_line(tally(rows, 3, "minimize"), "val_error")
+    assert ("; 1 failed attempt retried (search.retry_failed); 1 failed attempt waits for its retry "
+            "(search.retry_failed)") in line, line
