@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import TrialRow, best_row, gpu_cell, repeat_of, retried, standing
@@ -306,11 +307,17 @@ class ProgressView:
             table.add_row(str(row.number), "" if row.slot is None else str(row.slot),
                           gpu_cell(row.gpus, self._store.scenario.resources.share) or "-", elapsed,
                           format_params(row.params))
-        parts: list[Any] = [head, best, table]
+        parts: list[Any] = [*self._wrapped(head), *self._wrapped(best), table]
         if t.failures:
             parts.append("[red]last failures:[/]")
-            parts += [f"  #{r.number} {r.state}: {r.reason}" for r in t.failures]
+            for r in t.failures:
+                parts += self._wrapped(f"  #{r.number} {r.state}: {r.reason}")
         return Group(*parts)
+
+    def _wrapped(self, markup: str) -> list[Text]:
+        """``markup`` as lines that fit the terminal: the live view crops a longer line
+        (its console keeps printed lines whole), which cut the ETA off the counts."""
+        return list(Text.from_markup(markup).wrap(self._console, self._console.width))
 
 
 def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -216,3 +217,18 @@ def test_a_failure_whose_retry_waits_is_not_said_retried() -> None:
     line = summary_line(tally(rows, 3, "minimize"), "val_error")
     assert ("; 1 failed attempt retried (search.retry_failed); 1 failed attempt waits for its retry "
             "(search.retry_failed)") in line, line
+
+
+def test_the_live_view_wraps_its_counts_to_the_terminal(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """The live view crops lines wider than the terminal: on 80 columns the counts of a long
+    sweep lost their ETA (and on 120, ETA 00: was cut mid-value)."""
+    scenario = load_scenario(write_scenario(tmp_path, objective={"held_out": []}))
+    store = Store(scenario, tuple(_row(n, 0.3) for n in range(2234)))
+    terminal = io.StringIO()
+    view = ProgressView(store, 2280, "1 slot", Console(file=terminal, width=80, soft_wrap=True,  # type: ignore[arg-type]
+                                                         force_terminal=True))
+    with view:
+        pass
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())
+    assert "ETA 00:00:00" in shown or re.search(r"ETA \d\d:\d\d:\d\d\n", shown), shown
+    assert max(len(line) for line in shown.splitlines() if "done" in line and "best" not in line) <= 80
