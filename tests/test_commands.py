@@ -257,7 +257,8 @@ def test_status_says_a_failed_rerun_is_a_rerun_and_why_it_failed(tmp_path: Path,
 
 def test_status_on_a_narrow_terminal_keeps_the_state_whole(tmp_path: Path, write_scenario: WriteScenario) -> None:
     """A long parameter value squeezed every column on an 80-column terminal: the state was
-    folded into COMPLET / E. Trial and state keep their width; the long value folds instead."""
+    folded into COMPLET / E, and numbers into 0.000 / 3683. Trial, state, numbers and headers
+    keep their width; the long value folds instead."""
     long_choice = "a_very_long_parameter_value_" * 4
     scenario = write_scenario(tmp_path, search={"trials": 2},
                               parameters={"opt": {"type": "categorical", "choices": [long_choice]}},
@@ -285,6 +286,9 @@ def test_status_on_a_narrow_terminal_keeps_the_state_whole(tmp_path: Path, write
     assert status.wait(timeout=60) == 0
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode())
     assert re.search(r"│ 1 \* +│ COMPLETE │", text), text
+    assert "val_error" in text and "seconds" in text, text  # headers are never folded (val_e/rror)
+    values = [line.split("│")[3].strip() for line in text.splitlines() if re.match(r"│ \d", line)]
+    assert all(re.fullmatch(r"0\.\d+", value) for value in values) and len(values) == 2, text  # nor numbers
 
 
 def test_status_names_each_kind_of_repeat_as_its_csv_column_does() -> None:
