@@ -686,10 +686,15 @@ def _drawn_labels(axis: Any) -> list[Any]:
 
 
 def _crowded(axis: Any, low: float, high: float) -> bool:
-    """Whether the tick labels ``axis`` draws overlap one another or reach out of ``low``..``high`` (display x)."""
-    spans = sorted((box.x0, box.x1) for box in (label.get_window_extent() for label in _drawn_labels(axis)))
-    return bool(spans) and (spans[0][0] < low or spans[-1][1] > high
-                            or any(left[1] > right[0] for left, right in pairwise(spans)))
+    """Whether the tick labels ``axis`` draws come closer to one another than half their font
+    size (``10152025`` read as one number when they only touched) or reach out of
+    ``low``..``high`` (display x)."""
+    labels = _drawn_labels(axis)
+    if not labels:
+        return False
+    gap = 0.5 * labels[0].get_fontsize() * axis.figure.dpi / 72
+    spans = sorted((box.x0, box.x1) for box in (label.get_window_extent() for label in labels))
+    return spans[0][0] < low or spans[-1][1] > high or any(right[0] - left[1] < gap for left, right in pairwise(spans))
 
 
 def _uncrowd(figure: Any, panels: Sequence[Any]) -> None:
