@@ -111,8 +111,9 @@ class SmacSampler(BaseSampler):
         n_trees: trees of the forest.
         n_random: random candidates of each forest search.
         n_starts: best configurations the forest's local search starts from.
-        max_points: the most observations the forest is fitted to; beyond 100 observations it
-            is refitted once the history has grown by 1 %.
+        max_points: the most observations the forest is fitted to (the better half, a quarter
+            of the latest, the rest at random); beyond 100 observations it is refitted once the
+            history has grown by 1 % or by :data:`hpo.forest.REFIT_AFTER` observations.
         balance_every: every this many trials, the forest proposes the least-tried choice
             (0: never).
     """

@@ -275,3 +275,32 @@ def test_beats_random_search_on_branin(model: str, n_trials: int) -> None:
     random = statistics.median(regret(optuna.samplers.RandomSampler(seed=s), 40) for s in range(3))
     found = statistics.median(regret(SmacSampler(branin_space(), seed=s, model=model), n_trials) for s in range(3))
     assert found < min(0.05, 0.2 * random)
+
+
+def test_a_long_history_s_forest_is_fitted_to_its_latest_observations() -> None:
+    """Past max_points rows the forest saw the better half and a random rest: a 2,000-trial
+    study's latest proposals, all worse than the better half, were hardly ever among them,
+    and it went on proposing the region they had failed in."""
+    from hpo.forest import _subsample
+    y = np.random.default_rng(0).random(2000)
+    y[-20:] = 2.0  # the latest observations are the worst
+    keep = _subsample(y, 2003, 256, np.random.default_rng(1))
+    assert len(keep) == 259 and len(set(keep.tolist())) == 259
+    assert set(range(1980, 2003)) <= set(keep.tolist())  # the latest 20 and the 3 pending rows
+    assert set(np.argsort(y)[:128].tolist()) <= set(keep.tolist())
+
+
+def test_a_long_history_s_forest_is_fitted_again_every_few_observations() -> None:
+    """It was reused until the history grew by 1 %: 20 proposals from one forest at 2,000 trials."""
+    from hpo import forest
+    codec = Codec(branin_space())
+    rng = np.random.default_rng(0)
+    x = codec.sample(2100, rng)
+    y = x.sum(axis=1)
+    pending = np.zeros((0, 2))
+    settings = {"n_trees": 4, "max_points": 64, "n_random": 50, "n_starts": 2}
+    fitted = []
+    for n in range(2000, 2000 + 2 * forest.REFIT_AFTER + 1):
+        forest.ranked(codec, x[:n], y[:n], pending, "cadence", rng, **settings)
+        fitted.append(forest._fitted["cadence"].n_observed)
+    assert fitted == [2000] * forest.REFIT_AFTER + [2000 + forest.REFIT_AFTER] * forest.REFIT_AFTER + [2008]
