@@ -21,6 +21,7 @@ that long. What happens to a stale trial:
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
@@ -31,10 +32,10 @@ from typing import Any
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.executor import saved_result
+from hpo.executor import save_result, saved_result
 from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import trial_folder
+from hpo.render import FolderFull, trial_folder
 from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue_or_fail
 from hpo.storage import MAX_PAUSE_S
@@ -226,4 +227,8 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
         return store.back_to_waiting(row.number), None
     result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
                                                            reason="lost: its worker stopped"))
-    return store.end_other(row.number, result, folder), result
+    done = store.end_other(row.number, result, folder)
+    if done and folder.is_dir():  # its folder says how it ended, as every trial's does
+        with contextlib.suppress(OSError, FolderFull):  # another machine's folder, or a full disk: the store has it
+            save_result(folder, row.number, result)
+    return done, result

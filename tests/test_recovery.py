@@ -14,7 +14,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from hpo import designs, recovery
-from hpo.executor import save_result
+from hpo.executor import save_result, saved_result
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import STALE_AFTER_BEATS, BeatWatch, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
@@ -246,3 +246,16 @@ def test_a_trial_claimed_again_is_not_judged_by_its_earlier_claims_heartbeat(tmp
     assert trial.system_attrs[SYS_HEARTBEAT] < time.time() - 59  # the earlier claim's beat is still there
     assert gone_why(trial, time.time(), 1.0, "another-worker", set()) is None
     assert (gone_why(trial, time.time() + 10, 1.0, "another-worker", set()) or "").startswith("no heartbeat for 1")
+
+
+def test_a_trial_judged_lost_says_so_in_its_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Every trial folder holds result.json, how it ended; a trial whose worker was killed had
+    none: the worker that judged it lost recorded it in the store only."""
+    scheduler = make(tmp_path, write_scenario)
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)
+    c.folder.mkdir(parents=True)
+    assert recover(scheduler, tmp_path) == [c.number]
+    saved = saved_result(c.folder, c.number)
+    assert saved is not None and saved.outcome is Outcome.LOST and saved.reason == "lost: its worker stopped"
+    gone = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)  # its folder is on another machine
+    assert recover(scheduler, tmp_path) == [gone.number] and not gone.folder.exists()
