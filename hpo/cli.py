@@ -498,7 +498,6 @@ REASON_MIN_WIDTH = 12  # hpo status: the narrowest a column of text (the reason)
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the last trials (* marks the best) and a summary; --all prints every trial."""
     from rich.console import Console
-    from rich.table import Table
 
     class _PipeConsole(Console):
         """A reader that closed the pipe (``| head``) ends the command with exit 0, as
@@ -537,25 +536,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                       _number(row.value, f".{value_digits}g"),
                       *(_number(row.held_out.get(h), f".{held_digits[h]}g") for h in held_out),
                       seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else [])])
-    table = Table()
     headers = ("trial", "state", *names, scenario.objective.metric, *held_out, "seconds", *(["GPUs"] if running else []))
-    widths = []
-    for index, header in enumerate(headers):  # a number is never split or cut: 0.000/3683 read as two numbers
-        column = [row_cells[index] for row_cells in cells]
-        widest = max(len(text) for text in [header, *column])
-        if index < 2 or all(_numeric(text) for text in column):
-            table.add_column(header, no_wrap=True, min_width=widest)
-            widths.append(widest)
-        else:  # text (a categorical value) folds
-            table.add_column(header, overflow="fold", min_width=min(widest, REASON_MIN_WIDTH))
-            widths.append(min(widest, REASON_MIN_WIDTH))
-    if any(reasons):  # free text, the one column that folds in a narrow terminal
-        table.add_column("reason", overflow="fold", min_width=REASON_MIN_WIDTH)
-        widths.append(REASON_MIN_WIDTH)
-    needed = sum(widths) + 3 * len(widths) + 1  # with each column's padding and rule
+    table, needed = _status_table(headers, cells, reasons)
     wide = console if console.width >= needed else _PipeConsole(width=needed)  # the terminal wraps its rows
-    for row_cells, reason in zip(cells, reasons):
-        table.add_row(*row_cells, *([reason] if any(reasons) else []))
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
         wide.print(table)
@@ -563,6 +546,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     if best is not None:
         console.print(f"best params: {format_params(best.params, 6)}", highlight=False, soft_wrap=True)
     return EXIT_OK
+
+
+def _status_table(headers: Sequence[str], cells: Sequence[Sequence[str]], reasons: Sequence[str]) -> tuple[Any, int]:
+    """The status table of ``cells`` under ``headers`` (a ``reason`` column after them where
+    one of ``reasons`` is not empty), and the width it needs. A number or a header is never
+    split or cut (``0.000`` over ``3683`` read as two numbers); text (a categorical value, the
+    reason) folds, down to :data:`REASON_MIN_WIDTH`."""
+    from rich.cells import cell_len
+    from rich.table import Table
+
+    table = Table()
+    widths = []
+    for index, header in enumerate(headers):
+        column = [row[index] for row in cells]
+        widest = max(cell_len(text) for text in [header, *column])
+        if index < 2 or all(_numeric(text) for text in column):  # trial and state: COMPLETE, never COMPLET/E
+            table.add_column(header, no_wrap=True, min_width=widest)
+            widths.append(widest)
+        else:
+            table.add_column(header, overflow="fold", min_width=min(widest, REASON_MIN_WIDTH))
+            widths.append(min(widest, REASON_MIN_WIDTH))
+    if any(reasons):
+        table.add_column("reason", overflow="fold", min_width=REASON_MIN_WIDTH)
+        widths.append(REASON_MIN_WIDTH)
+    for row, reason in zip(cells, reasons):
+        table.add_row(*row, *([reason] if any(reasons) else []))
+    return table, sum(widths) + 3 * len(widths) + 1  # with each column's padding and rule
 
 
 def _numeric(cell: str) -> bool:
