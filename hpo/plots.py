@@ -66,6 +66,7 @@ SLICE_PAD = 0.05
 LABEL_GAP = 0.08
 FEWER_TICKS = (6, 4, 3, 2, 1)
 MANY_LINES = 200
+CHOICE_JITTER = 0.2  # how far (of the gap between two choices) a slice point is spread about its choice
 HELD_OUT_PANEL = "held out: "
 REASONS_LISTED = 3
 logger = logging.getLogger(__name__)
@@ -865,12 +866,15 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
     good_dark = "viridis" if scenario.objective.direction == "minimize" else "viridis_r"
 
     def slice_axes(axes: list[Any]) -> None:
+        rng = np.random.default_rng(0)
         for ax in axes:
             ax.set_yscale(axis.scale)
             if trials > MANY_LINES:
                 for points in ax.collections:
                     points.set_sizes([8])
                     points.set_linewidth(0)
+                    if ax.get_xlabel() in kinds.categories:
+                        _spread_about_choices(ax, points, rng)
         axes[0].set_ylabel(axis.label(metric))
 
     def slice_finish(axes: list[Any]) -> None:
@@ -897,6 +901,19 @@ def _optuna_charts(study: optuna.Study, scenario: Scenario, params: list[str], a
     paths = [slice_chart.save(folder / "slice.png", slice_axes, slice_finish),
              parallel_chart.save(folder / "parallel.png", finish=parallel_finish)]
     return [p for p in paths if p is not None]
+
+
+def _spread_about_choices(ax: Any, points: Any, rng: np.random.Generator) -> None:
+    """Spread the ``points`` of a categorical slice panel about their choice by up to
+    :data:`CHOICE_JITTER`, within the panel: at each choice, thousands of points drew a
+    solid bar that showed no density."""
+    offsets = np.array(points.get_offsets(), dtype=float)
+    if not len(offsets):
+        return
+    offsets[:, 0] += rng.uniform(-CHOICE_JITTER, CHOICE_JITTER, len(offsets))
+    points.set_offsets(offsets)
+    low, high = ax.get_xlim()
+    ax.set_xlim(min(low, offsets[:, 0].min() - 0.1), max(high, offsets[:, 0].max() + 0.1))
 
 
 def _why_not_compared(completed: int, params: Sequence[str]) -> str | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 import pytest
 from matplotlib.figure import Figure
@@ -24,6 +25,8 @@ from optuna.trial import TrialState, create_trial
 from hpo.errors import InputError
 from hpo.outcome import Outcome
 from hpo.plots import (
+    CHOICE_JITTER,
+    MANY_LINES,
     STATE_STYLE,
     draw_all,
     frozen,
@@ -678,3 +681,25 @@ def test_charts_say_why_they_leave_out_a_parameter_added_later_or_one_that_never
     charts = "importances.png, slice.png and parallel.png leave out"
     assert said == [f"{charts} nb_filters: only some completed trials have it (it was added to the study later)",
                     f"{charts} optimizer: every completed trial has the same value (optimizer=adam)"], said
+
+
+def test_the_points_of_a_choice_are_spread_about_it_when_there_are_many(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 2,000 trials each choice of a categorical panel was one solid bar."""
+    study = optuna.create_study(study_name="many", sampler=optuna.samplers.RandomSampler(seed=3))
+    study.optimize(lambda t: t.suggest_float("x", 0, 1) + len(t.suggest_categorical("act", ["relu", "tanh"])),
+                   n_trials=MANY_LINES + 1)
+    scenario = Scenario(name="many", command=("python", "t.py"),
+                        parameters={"x": Param(type="float", low=0.0, high=1.0),
+                                    "act": Param(type="categorical", choices=["relu", "tanh"])},
+                        search=Search(method="monte_carlo", trials=MANY_LINES + 1, seed=7),
+                        objective=Objective(metric="val_error", direction="minimize"), path=Path("/p/many.yaml"))
+    figures = saved_figures(monkeypatch)
+    paths = draw_all(study, scenario, tmp_path)
+    chart = dict(zip((path.stem for path in paths), figures))["slice"]
+    places = np.concatenate([points.get_offsets()[:, 0] for points in slice_panel(chart, "act").collections])
+    assert len(places) == MANY_LINES + 1
+    spread = np.abs(places - np.round(places))
+    assert 0.1 < spread.max() <= CHOICE_JITTER and len(np.unique(np.round(places))) == 2
+    low, high = slice_panel(chart, "act").get_xlim()
+    assert low < places.min() and places.max() < high
