@@ -353,7 +353,14 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     value = metrics.final[metric]
     if not math.isfinite(value):
         return ended(Outcome.FAIL, f"{metric} is {value}")
-    return ended(Outcome.COMPLETE, "", value)
+    return ended(Outcome.COMPLETE, "; ".join(not_finite(name, metrics.final[name]) for name in objective.held_out
+                                             if name in metrics.final and name not in kept), value)
+
+
+def not_finite(name: str, value: float) -> str:
+    """The reason a completed trial gives for its held-out metric ``name`` that it reported
+    as ``value``, NaN or infinite: a store and the dashboard take finite numbers only."""
+    return f"held-out {name} was {value}: not recorded"
 
 
 SCRIPT_RESULT_FILE = "result.script.json"

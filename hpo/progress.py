@@ -148,9 +148,11 @@ def past_budget_note(t: Tally) -> str:
 
 
 def unreported(rows: list[TrialRow], held_out: tuple[str, ...]) -> list[str]:
-    """The held-out metrics that no completed trial of ``rows`` reported (none if no trial completed)."""
+    """The held-out metrics that no completed trial of ``rows`` reported, not even as NaN
+    (its reason says so: :func:`hpo.executor.not_finite`); none if no trial completed."""
     done = [row for row in rows if row.outcome is Outcome.COMPLETE]
-    return [name for name in held_out if done and not any(name in row.held_out for row in done)]
+    return [name for name in held_out if done and not any(
+        name in row.held_out or f"held-out {name} was " in row.reason for row in done)]
 
 
 def summary_line(t: Tally, metric: str, digits: int = 4) -> str:

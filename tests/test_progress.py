@@ -13,7 +13,7 @@ from rich.console import Console
 
 from hpo.engine import TrialEnd, TrialStart
 from hpo.outcome import Outcome, TrialResult
-from hpo.progress import ProgressView, Tally, end_line, eta, follow_store, summary_line, tally
+from hpo.progress import ProgressView, Tally, end_line, eta, follow_store, summary_line, tally, unreported
 from hpo.rows import TrialRow
 from hpo.scenario import Scenario, load_scenario
 
@@ -232,3 +232,10 @@ def test_the_live_view_wraps_its_counts_to_the_terminal(tmp_path: Path, write_sc
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())
     assert "ETA 00:00:00" in shown or re.search(r"ETA \d\d:\d\d:\d\d\n", shown), shown
     assert max(len(line) for line in shown.splitlines() if "done" in line and "best" not in line) <= 80
+
+
+def test_a_held_out_metric_reported_as_nan_is_not_called_unreported() -> None:
+    """A held-out NaN is not recorded (a store takes finite numbers); the end note then asked
+    'is that the name the script prints?' of a name the script did print."""
+    nan_row = replace(_row(0, 0.3), reason="held-out test_error was nan: not recorded")
+    assert unreported([nan_row, _row(1, 0.2)], ("test_error", "tset_error")) == ["tset_error"]
