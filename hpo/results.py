@@ -88,7 +88,7 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
         file: where to print (default: stdout).
         metrics: the metric values by name.
     """
-    if os.environ.get("RANK", "0") != "0":
+    if not _rank_zero():
         return
     payload: dict[str, float | int] = {}
     if step is not None:
@@ -97,6 +97,15 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     out = file or sys.stdout
     out.write(json.dumps(payload) + "\n")
     out.flush()
+
+
+def _rank_zero() -> bool:
+    """Whether this process is of global rank 0: torch.distributed's rank once its process
+    group is initialized (``mp.spawn`` sets no ``RANK``: every rank printed), else ``$RANK``."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return bool(distributed.get_rank() == 0)
+    return os.environ.get("RANK", "0") == "0"
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import io
 import math
 import re
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cli_env
 
 from hpo.errors import InputError
 from hpo.executor import judge
@@ -1079,3 +1083,31 @@ def test_a_missing_objective_is_plainly_never_reported_without_such_a_line(text:
     metrics = parse_text(text, "val_error", patterns)
     assert metrics.unread == {}
     assert never_reported("val_error", metrics) == "val_error was never reported"
+
+
+def test_report_prints_on_rank_zero_only_under_mp_spawn(tmp_path: Path) -> None:
+    """``torch.multiprocessing.spawn`` sets no ``RANK``: every rank printed, so a trial held one
+    rank's curve and another's final value."""
+    script = tmp_path / "spawned.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        from hpo.results import report
+
+        def work(rank):
+            dist.init_process_group("gloo", init_method="file://{tmp_path}/rendezvous", rank=rank, world_size=2)
+            report(step=1, val_error=1.0 + rank)
+            report(val_error=0.1 + rank)
+            dist.barrier()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            os.environ.pop("RANK", None)
+            mp.spawn(work, nprocs=2)
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**cli_env(), "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 0, done.stderr
+    parsed = parse_text(done.stdout, "val_error")
+    assert parsed.final == {"val_error": 0.1} and list(parsed.intermediate) == [(1, {"val_error": 1.0})], done.stdout
