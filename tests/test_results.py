@@ -209,8 +209,8 @@ def test_the_last_report_of_a_metric_decides_its_final_value_or_text(lines: list
                      "COMPLETE", 0.25, {"test_error": 0.5}, "", id="complete"),
         pytest.param('{"step": 1, "val_error": 0.5}\n{"step": 2, "val_error": NaN}', "FAIL", None, {},
                      "val_error is nan", id="non-finite-last-step"),
-        pytest.param('{"step": 1, "val_error": 0.5, "test_error": Infinity}', "COMPLETE", 0.5, {}, "",
-                     id="non-finite-held-out-dropped"),
+        pytest.param('{"step": 1, "val_error": 0.5, "test_error": Infinity}', "COMPLETE", 0.5, {},
+                     "held-out test_error was inf: not recorded", id="non-finite-held-out-said"),
     ],
 )
 def test_the_judge_reads_the_last_step_values_as_final(text: str, outcome: str, value: float | None,
