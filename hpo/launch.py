@@ -314,15 +314,25 @@ def build_argv(scenario: Scenario, values: Mapping[str, Any], processes: int, to
     return argv
 
 
+DISTRIBUTED_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"})
+"""What torch.distributed reads of a process's place in a job (torchrun sets them for its ranks)."""
+
+
 def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
               base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial's processes on ``slot``: ``base`` (default: this process's),
     the slot's ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED=1`` (values as they come, for
     pruning), then ``extra`` (which may set its own of both: an empty ``PYTHONUNBUFFERED``
     buffers, so that each ``print`` is one write and DDP ranks' lines do not interleave),
-    then hpo's values."""
-    env = {**(os.environ if base is None else base), "OMP_NUM_THREADS": str(slot.threads),
-           "PYTHONUNBUFFERED": "1", **extra}
+    then hpo's values. ``base``'s own :data:`DISTRIBUTED_ENV` are left out: they describe the
+    job hpo runs in (a torchrun or Kubeflow launch), not the trial, whose rank 1 printed nothing
+    and whose world of 2 waited for a peer until its timeout; ``extra`` may set them."""
+    inherited = {name: value for name, value in (os.environ if base is None else base).items()
+                 if name not in DISTRIBUTED_ENV}
+    env = {**inherited, "OMP_NUM_THREADS": str(slot.threads), "PYTHONUNBUFFERED": "1", **extra}
     env.update({TOKEN_ENV: token, "HPO_SLOT": str(slot.index)})
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus)) if slot.gpus else ""
     return env
