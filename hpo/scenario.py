@@ -136,8 +136,8 @@ def _check_numeric(p: Param) -> None:
             raise ValueError(f"step: must be positive, got {p.step:g}")
         if p.log:
             raise ValueError("step: a log-scaled parameter cannot have a step")
-        if p.high > p.low and p.step > p.high - p.low:
-            raise ValueError(f"step: {p.step:g} is wider than the range [{p.low:g}, {p.high:g}]")
+        if p.high > p.low and Decimal(str(p.step)) > Decimal(str(p.high)) - Decimal(str(p.low)):  # as written:
+            raise ValueError(f"step: {p.step:g} is wider than the range [{p.low:g}, {p.high:g}]")  # 0.3 - 0.2 < 0.1
         highs = _highs_on_step(p.low, p.high, p.step)
         if highs is not None:
             raise ValueError(f"step: {p.step:g} does not divide the range [{p.low:g}, {p.high:g}] "
@@ -645,16 +645,47 @@ def _exclusive(a: Param, b: Param) -> bool:
 
 
 def _check_condition(name: str, param: Param, earlier: list[str], params: dict[str, Param]) -> None:
+    """Each parent of ``name``'s condition is an earlier categorical, each value wanted is one
+    of its choices (``true`` is not the choice ``1``), and the condition can hold: not an empty
+    list, nor values of a parameter that its parents' own conditions rule out."""
     for parent, wanted in (param.condition or {}).items():
         if parent not in earlier:
             raise ValueError(f"parameters.{name}.condition: {parent} must be a parameter defined before {name}")
         choices = params[parent].choices
         if choices is None:
             raise ValueError(f"parameters.{name}.condition: {parent} is not categorical")
+        if wanted == []:
+            raise ValueError(f"parameters.{name}.condition.{parent}: an empty list holds for no value of {parent}, "
+                             f"so {name} would never be searched")
         for value in wanted if isinstance(wanted, list) else [wanted]:
-            if value not in choices:
+            if _choice_key(value) not in {_choice_key(choice) for choice in choices}:
                 raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent} "
                                  f"({_yaml(list(choices))}){_bool_hint(value, choices)}")
+    if _needs(name, params) is None:
+        raise ValueError(f"parameters.{name}.condition: it can never hold: its parents' own conditions want other "
+                         f"values of the parameters it names, so {name} would never be searched")
+
+
+def _choice_key(value: Any) -> tuple[bool, Any]:
+    """A value as a condition compares it with a choice: ``true`` and ``1`` apart."""
+    return isinstance(value, bool), value
+
+
+def _needs(name: str, params: dict[str, Param]) -> dict[str, set[tuple[bool, Any]]] | None:
+    """The values each parameter must take for ``name`` to be searched: its condition's and,
+    through its parents, theirs; None where no value can do (two want disjoint values)."""
+    needs: dict[str, set[tuple[bool, Any]]] = {}
+    for parent, wanted in (params[name].condition or {}).items():
+        for source in ({parent: wanted}, _needs(parent, params)):
+            if source is None:
+                return None
+            for key, values in source.items():
+                allowed = values if isinstance(values, set) else {
+                    _choice_key(v) for v in (values if isinstance(values, list) else [values])}
+                needs[key] = needs[key] & allowed if key in needs else set(allowed)
+                if not needs[key]:
+                    return None
+    return needs
 
 
 def _bool_hint(value: Any, choices: tuple[Any, ...]) -> str:
@@ -813,6 +844,10 @@ class UniqueKeyLoader(yaml.SafeLoader):
         for index, item in enumerate(node.value):
             self._paths[item] = self._child(node, str(index))
         return super().construct_sequence(node, deep=deep)
+
+
+UniqueKeyLoader.add_implicit_resolver(  # 1e-3 is a number, as YAML 1.2 reads it: YAML 1.1 needs a dot (1.0e-3)
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _example_in(folder: Path) -> str:

@@ -145,6 +145,20 @@ def test_conditions_and_constants_load(tmp_path: Path, write_scenario: WriteScen
     assert params["epochs"].value == 3
 
 
+def test_a_number_written_1e_3_is_a_number(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """YAML 1.1 reads 1e-3 (no dot) as a string: a learning-rate choice was '1e-3' in some
+    trials and 0.01 in others, and [1e-3, 0.001] were two choices."""
+    text = write_scenario(tmp_path).read_text()
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text.replace("parameters:\n", "parameters:\n  lr: {type: categorical, choices: [1e-3, 0.01, 1.0e-4]}\n"
+                                                   "  k: {type: constant, value: -2E+5}\n"))
+    params = load_scenario(path).parameters
+    assert params["lr"].choices == (0.001, 0.01, 0.0001) and params["k"].value == -200000.0
+    path.write_text(text.replace("parameters:\n", "parameters:\n  lr: {type: categorical, choices: [1e-3, 0.001]}\n"))
+    with pytest.raises(InputError, match="parameters.lr.choices"):
+        load_scenario(path)
+
+
 def _p(name: str, **spec: Any) -> dict[str, Any]:
     """Overrides that set (or merge into) parameter ``name``."""
     return {"parameters": {name: spec}}
@@ -190,6 +204,14 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         (_p("seed", type="int", low=0, high=3), "parameters.seed: the name is reserved"),
         (_p("y", type="float", low=0, high=1, condition={"x": 0.5}), "x is not categorical"),
         (_p("y", type="float", low=0, high=1, condition={"opt": "z"}), "'z' is not a choice of opt"),
+        (_p("y", type="float", low=0, high=1, condition={"opt": []}),
+         "parameters.y.condition.opt: an empty list holds for no value of opt, so y would never be searched"),
+        ({"parameters": {"n": {"type": "categorical", "choices": [1, 2]},
+                         "y": {"type": "float", "low": 0, "high": 1, "condition": {"n": True}}}},
+         "parameters.y.condition: True is not a choice of n ([1, 2])"),
+        ({"parameters": {"m": {"type": "categorical", "choices": ["b", "c"], "condition": {"opt": "a"}},
+                         "y": {"type": "float", "low": 0, "high": 1, "condition": {"opt": "b", "m": "c"}}}},
+         "parameters.y.condition: it can never hold: its parents' own conditions want other values"),
         ({"name": "bad name!"}, "name: String should match pattern"),
         ({"command": "python 'unclosed"}, "command: cannot split the command"),
         ({"command": []}, "command: the command is empty"),
