@@ -387,3 +387,11 @@ def test_a_folder_for_the_scenario_is_called_a_folder(tmp_path: Path, write_scen
     assert str(info.value) == f"{tmp_path} is a folder; name the scenario file in it, e.g. {path}"
     with pytest.raises(InputError, match="nope.yaml: scenario file not found"):
         load_scenario(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(("low", "high", "step"), [(0.2, 0.3, 0.1), (0.8, 0.9, 0.1), (0.1, 0.3, 0.2)])
+def test_a_step_as_wide_as_its_range_is_one_step(tmp_path: Path, write_scenario: WriteScenario,
+                                                  low: float, high: float, step: float) -> None:
+    """0.3 - 0.2 is 0.09999999999999998 in binary: the step 0.1 was called wider than the range."""
+    path = write_scenario(tmp_path, parameters={"x": {"type": "float", "low": low, "high": high, "step": step}})
+    assert load_scenario(path).parameters["x"].step == step
