@@ -215,27 +215,35 @@ def flag_args(scenario: Scenario, values: Mapping[str, Any], seed: int | None = 
     ``--name=value`` or ``-name value``). A value that starts with ``-`` (``-6.4e-05``, a
     choice ``-x``) is joined to a ``--`` flag (``--name=-6.4e-05``), as every parser of long
     options reads it (argparse, getopt_long, click): on its own argparse would take it for a
-    flag. A bool is a switch: present when true, absent when false. With ``seed_flag`` set,
-    ``seed`` (the trial's seed) is passed under it.
+    flag. A parameter whose every value is true or false is a switch: present when true, absent
+    when false; a true or false among other choices is a value (``--cm true``). With
+    ``seed_flag`` set, ``seed`` (the trial's seed) is passed under it.
     """
     joined = scenario.flag_style == "--name=value"
     out: list[str] = []
 
-    def add(flag: str, value: Any) -> None:
-        if isinstance(value, bool):
+    def add(flag: str, value: Any, switch: bool = False) -> None:
+        if switch:
             out.extend([flag] if value else [])
         else:
-            text = str(value)
+            text = str(value).lower() if isinstance(value, bool) else str(value)
             out.extend([f"{flag}={text}"] if joined or (text.startswith("-") and flag.startswith("--"))
                        else [flag, text])
 
     for name, value in values.items():
         flag = scenario.flag_of(name)
         if flag is not None:
-            add(flag, value)
+            add(flag, value, isinstance(value, bool) and _switch(scenario.parameters.get(name)))
     if scenario.seed_flag and seed is not None:
         add(scenario.seed_flag, seed)
     return out
+
+
+def _switch(param: Any) -> bool:
+    """Whether ``param`` (None: not the scenario's) takes only true and false."""
+    if param is None or param.choices is None:
+        return True  # a constant true or false, or a value the scenario does not name
+    return all(isinstance(choice, bool) for choice in param.choices)
 
 
 def check_command(command: Sequence[str], files: Sequence[str], field: str = "command") -> None:

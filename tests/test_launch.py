@@ -124,6 +124,17 @@ def test_negative_values_reach_an_argparse_script_as_numbers() -> None:
     assert vars(parser.parse_args(flag_args(sc, values))) == values
 
 
+def test_true_or_false_among_other_choices_is_a_value_not_a_switch() -> None:
+    """A choice of [2, x, true, false] gave ``--cm`` alone (argparse: expected one argument) or nothing."""
+    mixed = {"type": "categorical", "choices": [2, "x", True, False]}
+    sc = scenario(["python", "main.py"], {"cm": "x"}, flags=True, cm_param=mixed)
+    for value, expected in ((True, ["--cm", "true"]), (False, ["--cm", "false"]), (2, ["--cm", "2"])):
+        assert flag_args(sc, {"cm": value}) == expected
+    switch = scenario(["python", "main.py"], {"bn": True}, flags=True, bn_param={"type": "categorical",
+                                                                                  "choices": [False, True]})
+    assert flag_args(switch, {"bn": True}) == ["--bn"] and flag_args(switch, {"bn": False}) == []
+
+
 def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
     values = {"batch_size": 64, "lr": 0.1}
     sc = scenario(["python", "main.py"], values, batch_size_param={"flag": "--batch-size"})
