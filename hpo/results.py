@@ -291,7 +291,9 @@ class MetricParser:
 
         The returned line has a ``step`` when it is an intermediate report: a line with a
         ``step`` key, or an objective value (a pattern match or a built-in format's) after a
-        step pattern match (also a final value).
+        step pattern match (also a final value). A line that torchrun's ``--tee`` prefixed with
+        its rank (``[default0]:``) is read without the prefix on rank 0 and is a log line on
+        the others, whose reports copy rank 0's.
 
         Raises:
             StepError: the line's step (its ``step`` key or the step pattern's match) is not a
@@ -299,6 +301,11 @@ class MetricParser:
                 match leaves no current step.
         """
         text = (_ANSI.sub("", line) if "\x1b" in line else line).strip()
+        prefix = _RANK_PREFIX.match(text)  # torchrun --tee: [default0]:{"val_error": 0.1}
+        if prefix is not None:
+            if int(prefix.group(1)) != 0:  # another rank's copy of what rank 0 reports
+                return None
+            text = text[prefix.end():]
         if not text:
             return None
         self._match_step(text)

@@ -1111,3 +1111,12 @@ def test_report_prints_on_rank_zero_only_under_mp_spawn(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     parsed = parse_text(done.stdout, "val_error")
     assert parsed.final == {"val_error": 0.1} and list(parsed.intermediate) == [(1, {"val_error": 1.0})], done.stdout
+
+
+def test_metric_lines_that_torchrun_tee_prefixed_are_read_from_rank_zero() -> None:
+    """Under torchrun --tee every line starts [defaultN]: the trial failed 'val_error was never reported'."""
+    text = ('[default1]:{"step": 1, "val_error": 9.0}\n[default0]:{"step": 1, "val_error": 0.5}\n'
+            '[default0]:val_error=0.25 test_error=0.3\n[default1]:val_error=9.0\n')
+    parsed = parse_text(text, "val_error")
+    assert parsed.final == {"val_error": 0.25, "test_error": 0.3}
+    assert list(parsed.intermediate) == [(1, {"val_error": 0.5})]
