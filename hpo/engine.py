@@ -50,7 +50,7 @@ from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
 from hpo.executor import Executor, HeldStart, LocalExecutor, TrialControl, TrialSpec, save_result
 from hpo.faults import fault_point
-from hpo.launch import Slot, build_argv, check_command, uses_torchrun
+from hpo.launch import Slot, build_argv, check_command, this_python, uses_torchrun
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import Recovered, queued_again, recover_stale
 from hpo.render import (
@@ -535,7 +535,8 @@ class Sweep:
         """Everything the executor needs to run ``claim`` on ``slot``."""
         scenario = self._scenario
         argv = build_argv(scenario, claim.params, slot.processes, uses_torchrun(scenario.resources, slot), claim.seed)
-        files = self._renderer.files(claim.number, claim.folder, claim.params, argv, claim.seed)
+        post = this_python(scenario.objective.post_process) if scenario.objective.post_process else []
+        files = self._renderer.files(claim.number, claim.folder, claim.params, argv, claim.seed, post)
         env = {**scenario.env, "HPO_TRIAL_NUMBER": str(claim.number)}
         return TrialSpec(claim.number, claim.params, claim.folder, files, tuple(argv), env, slot, claim.token,
                          scenario.resources.timeout, scenario.objective)

@@ -468,11 +468,12 @@ class Renderer:
         return {name: render(context) for name, render, _ in self._renderers if render is not None}
 
     def files(self, number: int, folder: Path, params: Mapping[str, Any], argv: Sequence[str],
-              seed: int | None = None) -> tuple[TrialFile, ...]:
+              seed: int | None = None, post: Sequence[str] = ()) -> tuple[TrialFile, ...]:
         """The trial folder's files: rendered templates, copied files, ``params.json`` and
         ``command.txt``, in memory (written by :func:`write_files` wherever the trial runs).
         ``command.txt`` runs the trial again from a copy of its folder (``sh command.txt``): the
-        scenario's ``env`` comes first, through ``env``."""
+        scenario's ``env`` comes first, through ``env``; then ``post`` (the post_process's
+        argument list), where the command succeeded."""
         texts = self.render_texts(number, folder, params, seed)
         out = []
         for name, render, template in self._renderers:
@@ -486,5 +487,6 @@ class Renderer:
         record = {"trial": number, "params": dict(params), "trial_seed": context["trial_seed"]}
         out.append(TrialFile(PARAMS_FILE, (json.dumps(record, indent=2) + "\n").encode()))
         env = [f"{name}={value}" for name, value in self._scenario.env.items()]
-        out.append(TrialFile(COMMAND_FILE, (shlex.join([*(["env", *env] if env else []), *argv]) + "\n").encode()))
+        lines = [shlex.join([*(["env", *env] if env else []), *command]) for command in (argv, post) if command]
+        out.append(TrialFile(COMMAND_FILE, (" && \\\n  ".join(lines) + "\n").encode()))
         return tuple(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 from collections.abc import Callable
@@ -530,3 +531,19 @@ def test_a_data_dir_that_cannot_be_listed_is_taken_as_it_is(tmp_path: Path, writ
     monkeypatch.setattr(Path, "iterdir", refused)
     renderer = _renderer(tmp_path, write_scenario, {"t.py.jinja": "{{ data_dir }}"}, data_dir="../data")
     assert renderer.render_texts(0, tmp_path, {"x": 0.5, "opt": "a"}) == {"t.py": str((tmp_path / "data").resolve())}
+
+
+def test_command_txt_runs_the_post_process_too(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """sh command.txt ran the script alone: a trial whose metric its post_process prints gave none."""
+    from conftest import run_hpo
+    path = write_scenario(tmp_path, template_text="open('out.txt', 'w').write('{{ x }}')\n",
+                          files={"parse.py": "print('val_error=' + open('out.txt').read())\n"},
+                          template=["train.py.j2", "parse.py"], search={"trials": 1},
+                          objective={"post_process": "python parse.py", "held_out": []})
+    assert run_hpo("run", path).returncode == 0
+    folder = next((tmp_path / "runs" / "demo").glob("trial-*"))
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    (copy / "out.txt").unlink()
+    again = subprocess.run(["sh", "command.txt"], cwd=copy, capture_output=True, text=True, check=False)
+    assert again.returncode == 0 and again.stdout.startswith("val_error=0."), again
