@@ -34,6 +34,7 @@ one line (its running trials INTERRUPTED), and ``hpo run`` resumes it.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -45,6 +46,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from hpo import designs, space
 from hpo.errors import ExecutorUnavailable, InputError, StoreUnavailable
@@ -65,7 +68,7 @@ from hpo.render import (
 )
 from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
-from hpo.scenario import Scenario
+from hpo.scenario import Param, Scenario
 from hpo.scheduler import Claim, Scheduler
 from hpo.storage import MAX_PAUSE_S, ask_lock_holder
 from hpo.store import SYS_STARTED, StudyStore, scenario_text
@@ -147,17 +150,42 @@ def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
         return trial_seed(study_seed, number)
 
 
+PREFLIGHT_SAMPLES = 1000  # the most configurations preflight renders
+
+
 def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | None) -> None:
-    """Render a trial's templates in memory (the first design point, or the middle of the
-    space) and check the command and post_process; raise InputError for an undefined
-    variable, a missing program or script, before any trial runs."""
+    """Render a trial's templates in memory for each of :func:`preflight_samples` and check
+    the command and post_process; raise InputError for an undefined variable (naming the
+    values it was met with), a missing program or script, before any trial runs."""
     scenario = renderer.scenario
-    sample = design[0] if design else space.from_unit(
-        scenario.parameters, [0.5] * len(space.free_parameters(scenario.parameters)))
-    renderer.render_texts(0, trial_folder(workdir, 0), sample)
+    for sample in preflight_samples(scenario.parameters, design):
+        try:
+            renderer.render_texts(0, trial_folder(workdir, 0), sample)
+        except InputError as exc:
+            values = " ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                              for name, value in sample.items())
+            raise InputError(f"{exc} (with {values})") from None
     check_command(scenario.command, renderer.names)
     if scenario.objective.post_process:
         check_command(scenario.objective.post_process, renderer.names, field="objective.post_process")
+
+
+def preflight_samples(params: Mapping[str, Param], design: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """What :func:`preflight` renders, :data:`PREFLIGHT_SAMPLES` at most: the design's points;
+    else the middle of the space with each combination of the choices that conditions name,
+    so that a template that uses a parameter only some choices activate is rendered without it."""
+    if design:
+        return design[:PREFLIGHT_SAMPLES]
+    free = space.free_parameters(params)
+    parents = [name for name in free if any(name in (p.condition or {}) for p in params.values())]
+    samples = []
+    for picks in itertools.islice(itertools.product(*(range(len(params[name].choices or ())) for name in parents)),
+                                  PREFLIGHT_SAMPLES):
+        point = [0.5] * len(free)
+        for name, pick in zip(parents, picks):
+            point[free.index(name)] = (pick + 0.5) / len(params[name].choices or ())
+        samples.append(space.from_unit(params, np.array(point)))
+    return samples
 
 
 class _FullFolders:

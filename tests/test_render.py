@@ -547,3 +547,19 @@ def test_command_txt_runs_the_post_process_too(tmp_path: Path, write_scenario: W
     (copy / "out.txt").unlink()
     again = subprocess.run(["sh", "command.txt"], cwd=copy, capture_output=True, text=True, check=False)
     assert again.returncode == 0 and again.stdout.startswith("val_error=0."), again
+
+
+@pytest.mark.parametrize("method", ["tpe", "monte_carlo", "grid"])
+def test_validate_renders_the_choices_that_conditions_name(tmp_path: Path, write_scenario: WriteScenario,
+                                                           capsys: pytest.CaptureFixture[str], method: str) -> None:
+    """Only the middle of the space (or the first design point) was rendered: a template using
+    momentum, which only opt=a searches, passed validate and then every opt=b trial failed."""
+    path = write_scenario(tmp_path, template_text="m = {{ momentum }}\n", search={"method": method, "trials": 4},
+                          parameters={"x": {"type": "float", "low": 0, "high": 1, "step": 0.5},
+                                      "momentum": {"type": "float", "low": 0.5, "high": 0.9, "step": 0.1,
+                                                   "condition": {"opt": "a"}}})
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: template train.py.j2 line 1: 'momentum' is undefined (with x=") and "opt=b)" in err
+    (tmp_path / "train.py.j2").write_text("{% if momentum is defined %}m = {{ momentum }}{% endif %}\n")
+    assert main(["validate", str(path)]) == 0
