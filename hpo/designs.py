@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
-import itertools
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,22 +47,45 @@ def _unit_points(method: str, count: int, dims: int, seed: int) -> np.ndarray:
     return qmc.LatinHypercube(dims, seed=seed).random(count)
 
 
+GRID_POINTS_LIMIT = 1_000_000
+"""The most points a grid design may have: a larger one is refused, not listed (which takes
+minutes and gigabytes), whatever ``search.trials``."""
+
+
 def grid_points(scenario: Scenario) -> list[Point]:
-    """The Cartesian product of every parameter's grid values, conditions applied."""
-    names = list(scenario.parameters)
-    axes = [space.grid_values(name, p) for name, p in scenario.parameters.items()]
-    seen: set[tuple[Any, ...]] = set()
-    points: list[Point] = []
-    for combo in itertools.product(*axes):
-        values: Point = {}
-        for name, value in zip(names, combo):
-            if space.is_active(scenario.parameters[name], values):
-                values[name] = value
-        key = tuple(sorted(values.items(), key=lambda item: item[0]))
-        if key not in seen:
-            seen.add(key)
-            points.append(values)
+    """The Cartesian product of every parameter's grid values, conditions applied, in the
+    product's order (the last parameter varies fastest): a parameter whose condition does not
+    hold adds no points of its own. InputError past :data:`GRID_POINTS_LIMIT` points."""
+    params = scenario.parameters
+    sizes = {name: space.grid_size(name, p) for name, p in params.items()}
+    points: list[Point] = [{}]
+    for name, p in params.items():
+        grown: list[Point] = []
+        for point in points:
+            if not space.is_active(p, point):
+                grown.append(point)
+                continue
+            for value in space.grid_values(name, p):
+                grown.append({**point, name: value})
+                if len(grown) > GRID_POINTS_LIMIT:
+                    raise _grid_too_large(sizes)
+        points = grown
     return points
+
+
+def _grid_too_large(sizes: dict[str, int]) -> InputError:
+    """The refusal of a grid past :data:`GRID_POINTS_LIMIT`, naming the fewest parameters,
+    largest first, whose numbers of values multiply past it."""
+    named: list[str] = []
+    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        named.append(name)
+        if math.prod(sizes[n] for n in named) > GRID_POINTS_LIMIT:
+            break
+    field = f"parameters.{named[0]}" if len(named) == 1 else "parameters"
+    over = " × ".join(f"{name} ({sizes[name]:,} values)" for name in named)
+    fix = "give it a larger step or fewer choices" if len(named) == 1 else "give them larger steps or fewer choices"
+    return InputError(f"{field}: a grid over {over} has more than the {GRID_POINTS_LIMIT:,} points a grid design "
+                      f"may have; {fix}, or use method monte_carlo, sobol or lhs")
 
 
 def csv_points(scenario: Scenario) -> list[Point]:

@@ -11,7 +11,7 @@ and :func:`with_constants` add them to the values that templates, params.json an
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -128,27 +128,41 @@ def _on_step(p: Param, step: float, k: int) -> Any:
     return int(p.low) + k * int(step) if p.type == "int" else round(p.low + k * step, 12)
 
 
-def _grid_values(p: Param) -> list[Any] | None:
-    """The finite values of a stepped or categorical parameter; None if continuous."""
-    if p.type == "constant":
-        return [p.value]
-    if p.type == "categorical":
-        return list(p.choices or ())
-    steps = _steps(p)
-    if steps is None:
-        return None
-    step, count = steps
-    return [_on_step(p, step, k) for k in range(count)]
-
-
-def grid_values(name: str, p: Param) -> list[Any]:
-    """Every value a grid design visits for ``p``; continuous parameters need a step."""
+def _grid_steps(name: str, p: Param) -> tuple[float, int]:
+    """The step and value count of a number on a grid; InputError for one a grid cannot list."""
     from hpo.errors import InputError
 
-    values = _grid_values(p)
-    if values is None:
-        raise InputError(f"parameters.{name}: method grid needs a step (or choices) for a continuous {p.type}")
-    return values
+    steps = _steps(p)
+    if steps is not None:
+        return steps
+    if p.log:
+        middle = math.sqrt(p.low * p.high)
+        examples = dict.fromkeys((p.low, round(middle) if p.type == "int" else middle, p.high))
+        example = ", ".join(f"{value:g}" for value in examples)
+        raise InputError(f"parameters.{name}: method grid cannot take a log-scaled {p.type}; list the values to try "
+                         f"as a categorical (type: categorical, choices: [{example}])")
+    raise InputError(f"parameters.{name}: method grid needs a step (or choices) for a continuous {p.type}")
+
+
+def grid_size(name: str, p: Param) -> int:
+    """How many values a grid design visits for ``p``, counted without listing them;
+    InputError for a continuous or log-scaled number."""
+    if p.type == "constant":
+        return 1
+    if p.type == "categorical":
+        return len(p.choices or ())
+    return _grid_steps(name, p)[1]
+
+
+def grid_values(name: str, p: Param) -> Iterator[Any]:
+    """Every value a grid design visits for ``p``, in order, each made as it is read (a range
+    of millions costs nothing until then); InputError as :func:`grid_size`."""
+    if p.type == "constant":
+        return iter([p.value])
+    if p.type == "categorical":
+        return iter(p.choices or ())
+    step, count = _grid_steps(name, p)
+    return (_on_step(p, step, k) for k in range(count))
 
 
 def config_space(params: Params, seed: int | None = None) -> Any:
@@ -223,8 +237,9 @@ def _from_unit_one(p: Param, u: float) -> Any:
     if steps is not None:
         step, count = steps
         return _on_step(p, step, min(int(u * count), count - 1))
-    if p.log:
-        x = math.exp(math.log(p.low) + u * (math.log(p.high) - math.log(p.low)))
+    if p.log:  # an int is log-uniform over [low - 0.5, high + 0.5], then rounded (Optuna's convention)
+        low, high = (p.low - 0.5, p.high + 0.5) if p.type == "int" else (p.low, p.high)
+        x = math.exp(math.log(low) + u * (math.log(high) - math.log(low)))
     else:
         x = p.low + u * (p.high - p.low)
     x = min(max(x, p.low), p.high)
@@ -246,12 +261,19 @@ def from_unit(params: Params, point: np.ndarray) -> dict[str, Any]:
 
 
 def coerce(name: str, p: Param, text: str) -> Any:
-    """Turn ``text`` (a CSV cell) into a value of ``p``; raise ValueError saying what is wrong."""
+    """Turn ``text`` (a CSV cell) into a value of ``p``; raise ValueError saying what is wrong.
+
+    A cell names a choice (or constant) by its text, or, for a number, by any text of an
+    equal number (``2.50`` is 2.5; ``true`` is never 1). A number within a millionth of a
+    step of a stepped parameter is that step's value."""
     text = text.strip()
     if p.type in ("categorical", "constant"):
         options = list(p.choices or ()) if p.type == "categorical" else [p.value]
         for option in options:
             if str(option) == text or (isinstance(option, bool) and text.lower() == str(option).lower()):
+                return option
+        for option in options:
+            if isinstance(option, (int, float)) and not isinstance(option, bool) and _number_text(text) == option:
                 return option
         raise ValueError(f"{text!r} is not one of {', '.join(map(str, options))}")
     try:
@@ -266,6 +288,17 @@ def coerce(name: str, p: Param, text: str) -> Any:
         number = int(number)
     if number < p.low or number > p.high:
         raise ValueError(f"{text} is outside [{p.low:g}, {p.high:g}]")
-    if p.step is not None and abs((number - p.low) / p.step - round((number - p.low) / p.step)) > 1e-6:
-        raise ValueError(f"{text} is not on the step {p.step:g} from {p.low:g}")
+    if p.step is not None:
+        steps = (number - p.low) / p.step
+        if abs(steps - round(steps)) > 1e-6:
+            raise ValueError(f"{text} is not on the step {p.step:g} from {p.low:g}")
+        return _on_step(p, p.step, round(steps))
     return number
+
+
+def _number_text(text: str) -> float | None:
+    """``text`` as a number, or None if it is none."""
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -1,13 +1,15 @@
 """Designs of experiments: Monte Carlo, Sobol, LHS, grid and CSV points."""
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hpo import designs
+from hpo import designs, space
 from hpo.errors import InputError
 from hpo.scenario import Scenario, load_scenario
 
@@ -116,6 +118,71 @@ def test_grid_dedupes_inactive_conditionals(tmp_path: Path, write_scenario: Writ
     points = designs.grid_points(_scenario(tmp_path, write_scenario, "grid", None, parameters=parameters))
     sgd = [{"opt": "sgd", "momentum": m, "nesterov": n} for m in (0.0, 0.5, 1.0) for n in (True, False)]
     assert points == sgd + [{"opt": "adam"}]
+
+
+def _product_then_dedupe(scenario: Scenario) -> list[dict[str, Any]]:
+    """The grid as it was first built: the whole Cartesian product, conditions applied, first copies kept."""
+    params = scenario.parameters
+    axes = [list(space.grid_values(name, p)) for name, p in params.items()]
+    points: list[dict[str, Any]] = []
+    for combo in itertools.product(*axes):
+        point: dict[str, Any] = {}
+        for name, value in zip(params, combo):
+            if space.is_active(params[name], point):
+                point[name] = value
+        if point not in points:
+            points.append(point)
+    return points
+
+
+def test_grid_keeps_the_order_of_the_deduplicated_product(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Nested, list and multi-parent conditions: the same points in the same order as the product gave."""
+    parameters = {
+        "opt": {"type": "categorical", "choices": ["sgd", "adam", "rms"]},
+        "lr": {"type": "float", "low": 0.1, "high": 0.3, "step": 0.1},
+        "sched": {"type": "categorical", "choices": ["none", "step"], "condition": {"opt": ["sgd", "rms"]}},
+        "k": {"type": "constant", "value": 7, "condition": {"opt": "adam"}},
+        "gamma": {"type": "int", "low": 1, "high": 3, "condition": {"sched": "step"}},
+        "nesterov": {"type": "bool", "condition": {"opt": "sgd", "sched": "step"}},
+        "units": {"type": "int", "low": 16, "high": 48, "step": 16},
+    }
+    scenario = _scenario(tmp_path, write_scenario, "grid", None, parameters=parameters)
+    points = designs.grid_points(scenario)
+    assert points == _product_then_dedupe(scenario)
+    assert len(points) == 3 * 3 * (1 + 3 * 2) + 3 * 3 + 3 * 3 * (1 + 3)
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"x": {"type": "int", "low": 0, "high": 100_000_000}},
+     ("parameters.x: a grid over x (100,000,001 values) has more than the 1,000,000 points a grid design may have; "
+      "give it a larger step or fewer choices, or use method monte_carlo, sobol or lhs")),
+    ({"a": {"type": "categorical", "choices": ["p", "q"]}, "x": {"type": "int", "low": 0, "high": 9999},
+      "y": {"type": "float", "low": 0, "high": 1999.8, "step": 0.2}},
+     ("parameters: a grid over x (10,000 values) × y (10,000 values) has more than the 1,000,000 points a grid "
+      "design may have; give them larger steps or fewer choices, or use method monte_carlo, sobol or lhs")),
+])
+def test_a_grid_too_large_to_list_is_refused_at_once(tmp_path: Path, write_scenario: WriteScenario,
+                                                     parameters: dict[str, Any], message: str) -> None:
+    """However few trials it runs: the grid is listed before a subset of it is taken."""
+    scenario = _scenario(tmp_path, write_scenario, "grid", 3, parameters=parameters)
+    started = time.monotonic()
+    with pytest.raises(InputError) as info:
+        designs.design_points(scenario)
+    assert str(info.value) == message
+    assert time.monotonic() - started < 20
+
+
+def test_a_conditional_grid_counts_its_points_not_its_product(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Parameters of exclusive branches multiply the product (4,000,000 here) but not the points (3,000)."""
+    parameters = {
+        "opt": {"type": "categorical", "choices": ["sgd", "adam"]},
+        "x": {"type": "int", "low": 0, "high": 1999, "condition": {"opt": "sgd"}},
+        "y": {"type": "int", "low": 0, "high": 999, "condition": {"opt": "adam"}},
+    }
+    points = designs.design_points(_scenario(tmp_path, write_scenario, "grid", 5, parameters=parameters))
+    assert points is not None and len(points) == 5
+    whole = designs.grid_points(_scenario(tmp_path, write_scenario, "grid", None, parameters=parameters))
+    assert whole[:2] == [{"opt": "sgd", "x": 0}, {"opt": "sgd", "x": 1}] and len(whole) == 3000
 
 
 @pytest.mark.parametrize(("trials", "expected"), [(None, 4), (2, 2), (4, 4)])
@@ -242,6 +309,18 @@ def test_csv_errors_name_file_line_and_column(tmp_path: Path, write_scenario: Wr
     with pytest.raises(InputError) as info:
         designs.design_points(scenario)
     assert message in str(info.value)
+
+
+def test_csv_cells_a_spreadsheet_rewrote_are_read_as_the_values_meant(tmp_path: Path,
+                                                                    write_scenario: WriteScenario) -> None:
+    """A number choice written another way matches it; a value next to a step runs on the step."""
+    parameters = {"width": {"type": "categorical", "choices": [1, 2.5, -3]},
+                  "drop": {"type": "float", "low": 0.0, "high": 1.0, "step": 0.25}}
+    path = write_scenario(tmp_path, drop=("parameters.x", "parameters.opt"), parameters=parameters,
+                          search={"method": "csv", "csv": "design.csv", "trials": None},
+                          files={"design.csv": "width,drop\n1.0,0.25000001\n2.50,0.5\n-3e0,1\n"})
+    assert designs.design_points(load_scenario(path)) == [{"width": 1, "drop": 0.25}, {"width": 2.5, "drop": 0.5},
+                                                         {"width": -3, "drop": 1.0}]
 
 
 def test_csv_value_for_a_parameter_whose_condition_does_not_hold(tmp_path: Path,

@@ -1,6 +1,7 @@
 """One parameter definition seen as Optuna distributions, a ConfigSpace space and unit-cube values."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -179,7 +180,7 @@ def test_free_parameters_leave_out_constants() -> None:
         pytest.param({"type": "float", "low": 1e-3, "high": 10.0, "log": True}, 1e-3, 0.1, 10.0, id="float-log"),
         pytest.param({"type": "float", "low": 0.0, "high": 1.0, "step": 0.25}, 0.0, 0.5, 1.0, id="float-step"),
         pytest.param({"type": "int", "low": 1, "high": 5}, 1, 3, 5, id="int"),
-        pytest.param({"type": "int", "low": 1, "high": 100, "log": True}, 1, 10, 100, id="int-log"),
+        pytest.param({"type": "int", "low": 1, "high": 100, "log": True}, 1, 7, 100, id="int-log"),
         pytest.param({"type": "int", "low": 0, "high": 8, "step": 2}, 0, 4, 8, id="int-step"),
         pytest.param({"type": "categorical", "choices": ["a", "b", "c"]}, "a", "b", "c", id="categorical"),
         pytest.param({"type": "categorical", "choices": [True, False]}, True, False, False, id="categorical-bool"),
@@ -226,6 +227,16 @@ def test_from_unit_is_cheap_for_huge_int_ranges() -> None:
     assert values == {"seed": 2**39, "k": 2**39}
 
 
+def test_from_unit_draws_log_ints_as_optuna_does() -> None:
+    """Log-uniform over [low - 0.5, high + 0.5], rounded: each end value gets its whole half-width share."""
+    params = {"p": P(type="int", low=1, high=4, log=True)}
+    drawn = [space.from_unit(params, np.array([u]))["p"] for u in (np.arange(10000) + 0.5) / 10000]
+    share = {k: drawn.count(k) / len(drawn) for k in (1, 2, 3, 4)}
+    edges = np.log([0.5, 1.5, 2.5, 3.5, 4.5])
+    expected = {k: (edges[k] - edges[k - 1]) / (edges[4] - edges[0]) for k in (1, 2, 3, 4)}
+    assert share == pytest.approx(expected, abs=1e-3)
+
+
 def test_from_unit_skips_constants_and_inactive_parameters() -> None:
     params = {
         "opt": P(type="categorical", choices=["sgd", "adam"]),
@@ -248,14 +259,37 @@ def test_from_unit_skips_constants_and_inactive_parameters() -> None:
     ],
 )
 def test_grid_values(spec: dict[str, Any], expected: list[Any]) -> None:
-    assert space.grid_values("p", P(**spec)) == pytest.approx(expected)
+    assert list(space.grid_values("p", P(**spec))) == pytest.approx(expected)
+    assert space.grid_size("p", P(**spec)) == len(expected)
+
+
+def test_grid_values_of_a_huge_range_are_counted_not_listed() -> None:
+    huge = P(type="int", low=0, high=10**15)
+    assert space.grid_size("p", huge) == 10**15 + 1
+    assert list(itertools.islice(space.grid_values("p", huge), 3)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("spec", [{"type": "float", "low": 0, "high": 1},
-                                  {"type": "int", "low": 1, "high": 64, "log": True}])
+                                  {"type": "float", "low": 0, "high": 1, "distribution": "normal", "mean": 0,
+                                   "std": 1}])
 def test_grid_values_need_a_step(spec: dict[str, Any]) -> None:
     with pytest.raises(InputError, match="parameters.p: method grid needs a step"):
+        space.grid_size("p", P(**spec))
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"type": "int", "low": 1, "high": 64, "log": True},
+     ("parameters.p: method grid cannot take a log-scaled int; list the values to try as a categorical "
+      "(type: categorical, choices: [1, 8, 64])")),
+    ({"type": "float", "low": 1e-4, "high": 1, "log": True},
+     ("parameters.p: method grid cannot take a log-scaled float; list the values to try as a categorical "
+      "(type: categorical, choices: [0.0001, 0.01, 1])")),
+])
+def test_grid_refuses_log_scale_without_asking_for_a_step(spec: dict[str, Any], message: str) -> None:
+    """A step is refused on a log-scaled parameter, so the refusal must not ask for one."""
+    with pytest.raises(InputError) as info:
         space.grid_values("p", P(**spec))
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize(
@@ -273,6 +307,11 @@ def test_grid_values_need_a_step(spec: dict[str, Any]) -> None:
         ({"type": "categorical", "choices": [True, False]}, "true", True),
         ({"type": "categorical", "choices": [True, False]}, "False", False),
         ({"type": "constant", "value": 3}, "3", 3),
+        ({"type": "categorical", "choices": [16, 32]}, "16.0", 16),
+        ({"type": "categorical", "choices": [1, 2.5, -3]}, "2.50", 2.5),
+        ({"type": "categorical", "choices": [1, 2.5, -3]}, "-3e0", -3),
+        ({"type": "categorical", "choices": ["1.0", 1]}, "1.0", "1.0"),
+        ({"type": "constant", "value": 7}, "7.0", 7),
     ],
 )
 def test_coerce_good_cells(spec: dict[str, Any], text: str, expected: Any) -> None:
@@ -295,7 +334,10 @@ def test_coerce_good_cells(spec: dict[str, Any], text: str, expected: Any) -> No
         ({"type": "int", "low": 0, "high": 10, "step": 5}, "4", "4 is not on the step 5 from 0"),
         ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "0.3", "0.3 is not on the step 0.25 from 0"),
         ({"type": "categorical", "choices": ["sgd", "adam"]}, "rmsprop", "'rmsprop' is not one of sgd, adam"),
-        ({"type": "categorical", "choices": [16, 32]}, "16.0", "'16.0' is not one of 16, 32"),
+        ({"type": "categorical", "choices": [16, 32]}, "16.5", "'16.5' is not one of 16, 32"),
+        ({"type": "categorical", "choices": [1, 0]}, "true", "'true' is not one of 1, 0"),
+        ({"type": "categorical", "choices": [True, False]}, "1", "'1' is not one of True, False"),
+        ({"type": "categorical", "choices": ["1", "2"]}, "1.0", "'1.0' is not one of 1, 2"),
         ({"type": "constant", "value": 3}, "4", "'4' is not one of 3"),
     ],
 )
@@ -303,6 +345,16 @@ def test_coerce_bad_cells(spec: dict[str, Any], text: str, message: str) -> None
     with pytest.raises(ValueError) as info:
         space.coerce("p", P(**spec), text)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("spec", "text", "expected"), [
+    ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "0.25000001", 0.25),
+    ({"type": "float", "low": 0, "high": 1, "step": 0.1}, "0.29999999", 0.3),
+    ({"type": "float", "low": -1, "high": 1, "step": 0.5}, "-0.4999999999", -0.5),
+])
+def test_coerce_snaps_a_value_next_to_a_step_onto_it(spec: dict[str, Any], text: str, expected: float) -> None:
+    """A value accepted as on the step runs as the step point, as the grid would give it."""
+    assert space.coerce("p", P(**spec), text) == expected
 
 
 def test_float_values_are_finite_after_from_unit() -> None:
