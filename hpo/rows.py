@@ -106,11 +106,12 @@ def budget_used(rows: list[TrialRow], queued: Container[int] = ()) -> int:
 
 
 def presented(raw: list[TrialRow], parameters: Mapping[str, Param]) -> list[TrialRow]:
-    """Rows as users see them: the scenario's constants added, a queued copy with its
-    original's parameters."""
+    """Rows as users see them: stepped floats as designs write them (:func:`hpo.space.tidy`),
+    the scenario's constants added, a queued copy with its original's parameters."""
     constant = any(p.type == "constant" for p in parameters.values())
-    rows = [dataclasses.replace(row, params=space.with_constants(parameters, dict(row.params))) for row in raw] \
-        if constant else list(raw)
+    stepped = any(p.type == "float" and p.step is not None for p in parameters.values())
+    rows = [dataclasses.replace(row, params=space.with_constants(parameters, space.tidied(parameters, row.params)))
+            for row in raw] if constant or stepped else list(raw)
     by_number = {r.number: r for r in rows}
     for index, row in enumerate(rows):
         original = by_number.get(repeat_of(row) if row.outcome is Outcome.WAITING else None)  # type: ignore[arg-type]

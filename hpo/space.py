@@ -45,8 +45,19 @@ def suggest(trial: Any, params: Params) -> dict[str, Any]:
         elif p.type == "int":
             values[name] = trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
         else:
-            values[name] = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
+            values[name] = tidy(p, trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log))
     return values
+
+
+def tidy(p: Param, value: Any) -> Any:
+    """``value`` of ``p`` as a design writes it: a stepped float to 12 decimals (Optuna's
+    ``low + k * step`` carries binary noise: 0.30000000000000004), anything else as it is."""
+    return round(value, 12) if p.type == "float" and p.step is not None and isinstance(value, float) else value
+
+
+def tidied(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each one of ``params`` :func:`tidy`."""
+    return {name: tidy(params[name], value) if name in params else value for name, value in values.items()}
 
 
 def with_constants(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:

@@ -375,3 +375,14 @@ def test_a_configuration_from_before_a_space_change_is_said_to_be_outside_it() -
     assert outside(params, {"opt": "adam", "mom": 0.5}) == \
         "it ran with mom=0.5, which the scenario's conditions now leave out"
     assert outside(params, {"opt": "adam", "lr": 0.1}) == "it ran with lr=0.1, which the scenario no longer has"
+
+
+def test_a_stepped_float_that_a_sampler_suggests_has_no_binary_noise() -> None:
+    """tpe, gp and smac handed templates and the CSV 0.30000000000000004 where designs gave 0.3."""
+    params = {"x": Param(type="float", low=0.0, high=1.5, step=0.1),
+              "y": Param(type="float", low=-0.005, high=0.01, step=0.0005)}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(200):
+        values = space.suggest(study.ask(), params)
+        assert all(repr(values[name]) == repr(round(values[name], 12)) for name in values)
+        assert all(len(repr(value)) < 12 for value in values.values()), values
