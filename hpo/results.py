@@ -93,7 +93,11 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     payload: dict[str, float | int] = {}
     if step is not None:
         payload[STEP_KEY] = int(step) if float(step).is_integer() else float(step)
-    payload.update({name: float(value) for name, value in metrics.items()})
+    for name, value in metrics.items():
+        try:
+            payload[name] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"report(): {name} is {value!r}, not a number") from None
     out = file or sys.stdout
     out.write(json.dumps(payload) + "\n")
     out.flush()

@@ -1120,3 +1120,9 @@ def test_metric_lines_that_torchrun_tee_prefixed_are_read_from_rank_zero() -> No
     parsed = parse_text(text, "val_error")
     assert parsed.final == {"val_error": 0.25, "test_error": 0.3}
     assert list(parsed.intermediate) == [(1, {"val_error": 0.5})]
+
+
+def test_report_names_a_metric_that_is_not_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(TypeError, match=r"^report\(\): val_error is None, not a number$"):
+        report(file=io.StringIO(), val_error=None)  # type: ignore[arg-type]
