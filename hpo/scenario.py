@@ -846,8 +846,42 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_sequence(node, deep=deep)
 
 
-UniqueKeyLoader.add_implicit_resolver(  # 1e-3 is a number, as YAML 1.2 reads it: YAML 1.1 needs a dot (1.0e-3)
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+_EXPONENT_TAG = "tag:hpo:exponent"  # a plain 1e-3, which YAML 1.1 reads as a string (it needs 1.0e-3)
+
+
+class _Exponent(float):
+    """A plain scalar such as ``1e-3``, which YAML 1.2 reads as a number and YAML 1.1 as a
+    string, with its text: a number among the parameters, its text elsewhere
+    (:func:`_exponents_read`)."""
+
+    text: str
+
+
+def _construct_exponent(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> _Exponent:
+    text = loader.construct_scalar(node)
+    number = _Exponent(text.replace("_", ""))
+    number.text = text
+    return number
+
+
+UniqueKeyLoader.add_implicit_resolver(
+    _EXPONENT_TAG, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+UniqueKeyLoader.add_constructor(_EXPONENT_TAG, _construct_exponent)
+
+
+def _exponents_read(value: Any, numbers: bool = False) -> Any:
+    """``value`` (a loaded scenario) with each :class:`_Exponent` a float where ``numbers`` (in
+    ``parameters``: a choice, constant, bound or condition value; ``1e-3`` was the string
+    '1e-3' there) and its text elsewhere (a command's ``--wd 1e-3``, an ``env`` value stay as
+    written); keys are always their text."""
+    if isinstance(value, _Exponent):
+        return float(value) if numbers else value.text
+    if isinstance(value, dict):
+        return {_exponents_read(key): _exponents_read(item, numbers or key == "parameters")
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_exponents_read(item, numbers) for item in value]
+    return value
 
 
 def _example_in(folder: Path) -> str:
@@ -868,7 +902,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = yaml.load(utf8_text(file), Loader=UniqueKeyLoader)
+        raw = _exponents_read(yaml.load(utf8_text(file), Loader=UniqueKeyLoader))
     except DuplicateKeyError as exc:
         raise InputError(f"{file.name}: {exc.problem}") from None
     except yaml.YAMLError as exc:

@@ -395,3 +395,14 @@ def test_a_step_as_wide_as_its_range_is_one_step(tmp_path: Path, write_scenario:
     """0.3 - 0.2 is 0.09999999999999998 in binary: the step 0.1 was called wider than the range."""
     path = write_scenario(tmp_path, parameters={"x": {"type": "float", "low": low, "high": high, "step": step}})
     assert load_scenario(path).parameters["x"].step == step
+
+
+def test_1e_3_outside_the_parameters_stays_as_written(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Read as a number everywhere, 1e-3 broke a command's --wd 1e-3 (not a string) and passed
+    env EPS: 1e-8 as 1e-08."""
+    path = write_scenario(tmp_path)
+    path.write_text(path.read_text().replace("command: python train.py", "command: [python, train.py, --wd, 1e-3]")
+                    + "env: {EPS: 1e-8, X: 1E5}\n")
+    scenario = load_scenario(path)
+    assert scenario.command == ("python", "train.py", "--wd", "1e-3")
+    assert dict(scenario.env) == {"EPS": "1e-8", "X": "1E5"}
