@@ -29,6 +29,7 @@ import collections
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import threading
@@ -373,15 +374,36 @@ def save_result(folder: Path, number: int, result: TrialResult, paused_s: float 
     record of this trial (the script wrote one of its own) is first moved to
     :data:`SCRIPT_RESULT_FILE`. Where the disk is full, nothing is written and
     :class:`~hpo.render.FolderFull` carries ``result``."""
-    record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
-    if paused_s:
-        record["paused_s"] = round(paused_s, 3)
     with folder_writes(folder / RESULT_FILE, result):
         if (folder / RESULT_FILE).exists() and saved_result(folder, number) is None:  # the script's own
             (folder / RESULT_FILE).replace(folder / SCRIPT_RESULT_FILE)
         with replacing(folder / RESULT_FILE) as temporary:
-            temporary.write_text(json.dumps(record, indent=2) + "\n")
+            temporary.write_text(_result_text(number, result, paused_s))
     return result
+
+
+def save_result_unless_saved(folder: Path, number: int, result: TrialResult) -> bool:
+    """Write ``result`` to the folder's ``result.json`` only where it has none, in one step (a
+    link), so that the result its own process writes meanwhile is never replaced; whether it
+    was written. OSError (and :class:`~hpo.render.FolderFull`) as writing fails."""
+    temporary = folder / f".{RESULT_FILE}.{os.getpid()}.once"
+    with folder_writes(folder / RESULT_FILE, result):
+        try:
+            temporary.write_text(_result_text(number, result))
+            os.link(temporary, folder / RESULT_FILE)
+        except FileExistsError:
+            return False
+        finally:
+            temporary.unlink(missing_ok=True)
+    return True
+
+
+def _result_text(number: int, result: TrialResult, paused_s: float = 0.0) -> str:
+    """``result.json``'s text for trial ``number``."""
+    record = {"trial": number, **asdict(result), "outcome": result.outcome.value}
+    if paused_s:
+        record["paused_s"] = round(paused_s, 3)
+    return json.dumps(record, indent=2) + "\n"
 
 
 def saved_result(folder: Path, number: int) -> TrialResult | None:

@@ -323,10 +323,17 @@ def build_argv(scenario: Scenario, values: Mapping[str, Any], processes: int, to
 
 
 DISTRIBUTED_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE"})
-"""What torch.distributed reads of a process's place in a job (torchrun sets them for its ranks)."""
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"})
+DISTRIBUTED_PREFIXES = ("TORCHELASTIC_", "PET_")
+"""What torch.distributed and torchrun read of a process's place in a job: the variables that
+torchrun sets for its ranks, its own state (``TORCHELASTIC_*``) and its options' defaults
+(``PET_NNODES``: a Kubeflow PyTorchJob sets them)."""
+
+
+def distributed(name: str) -> bool:
+    """Whether the environment variable ``name`` tells a process its place in a distributed job."""
+    return name in DISTRIBUTED_ENV or name.startswith(DISTRIBUTED_PREFIXES)
 
 
 def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
@@ -335,11 +342,11 @@ def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
     the slot's ``OMP_NUM_THREADS`` and ``PYTHONUNBUFFERED=1`` (values as they come, for
     pruning), then ``extra`` (which may set its own of both: an empty ``PYTHONUNBUFFERED``
     buffers, so that each ``print`` is one write and DDP ranks' lines do not interleave),
-    then hpo's values. ``base``'s own :data:`DISTRIBUTED_ENV` are left out: they describe the
+    then hpo's values. ``base``'s own :func:`distributed` variables are left out: they describe the
     job hpo runs in (a torchrun or Kubeflow launch), not the trial, whose rank 1 printed nothing
     and whose world of 2 waited for a peer until its timeout; ``extra`` may set them."""
     inherited = {name: value for name, value in (os.environ if base is None else base).items()
-                 if name not in DISTRIBUTED_ENV}
+                 if not distributed(name)}
     env = {**inherited, "OMP_NUM_THREADS": str(slot.threads), "PYTHONUNBUFFERED": "1", **extra}
     env.update({TOKEN_ENV: token, "HPO_SLOT": str(slot.index)})
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus)) if slot.gpus else ""

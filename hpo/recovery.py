@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.executor import save_result, saved_result
+from hpo.executor import save_result_unless_saved, saved_result
 from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import FolderFull, trial_folder
@@ -228,7 +228,7 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
     result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
                                                            reason="lost: its worker stopped"))
     done = store.end_other(row.number, result, folder)
-    if done and folder.is_dir():  # its folder says how it ended, as every trial's does
-        with contextlib.suppress(OSError, FolderFull):  # another machine's folder, or a full disk: the store has it
-            save_result(folder, row.number, result)
+    if done and folder.is_dir():  # its folder says how it ended, as every trial's does, but a result its
+        with contextlib.suppress(OSError, FolderFull):  # process wrote meanwhile stays; another machine's
+            save_result_unless_saved(folder, row.number, result)  # folder, or a full disk: the store has it
     return done, result

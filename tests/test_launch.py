@@ -20,7 +20,6 @@ import pytest
 from hpo import cli
 from hpo.errors import ExecutorUnavailable, InputError
 from hpo.launch import (
-    DISTRIBUTED_ENV,
     GPU_ENV,
     TOKEN_ENV,
     Slot,
@@ -455,9 +454,9 @@ def test_a_trial_is_not_given_the_place_of_hpo_in_a_distributed_job() -> None:
     """hpo started by torchrun (or in a Kubeflow PyTorchJob) handed its RANK=1 to every trial,
     whose report() then printed nothing; WORLD_SIZE=2 left init_process_group waiting."""
     job = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-           "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin"}
+           "TORCHELASTIC_RUN_ID": "x", "PET_NNODES": "2", "PET_NODE_RANK": "1", "NODE_RANK": "1", "PATH": "/bin"}
     env = trial_env(Slot(0, (), 1, 1), "tok", {"MASTER_PORT": "1234"}, base=job)
-    assert not DISTRIBUTED_ENV & (set(env) - {"MASTER_PORT"}) and env["PATH"] == "/bin"
+    assert set(env) & set(job) == {"MASTER_PORT", "PATH"} and env["PATH"] == "/bin"
     assert env["MASTER_PORT"] == "1234"  # the scenario's env may set one
 
 

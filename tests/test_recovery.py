@@ -14,7 +14,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from hpo import designs, recovery
-from hpo.executor import save_result, saved_result
+from hpo.executor import save_result, save_result_unless_saved, saved_result
 from hpo.outcome import Outcome, TrialResult
 from hpo.recovery import STALE_AFTER_BEATS, BeatWatch, Recovered, gone_why, is_stale, judges_beats, recover_stale
 from hpo.scenario import load_scenario
@@ -259,3 +259,19 @@ def test_a_trial_judged_lost_says_so_in_its_folder(tmp_path: Path, write_scenari
     assert saved is not None and saved.outcome is Outcome.LOST and saved.reason == "lost: its worker stopped"
     gone = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=True)  # its folder is on another machine
     assert recover(scheduler, tmp_path) == [gone.number] and not gone.folder.exists()
+
+
+def test_a_result_its_own_process_wrote_is_never_replaced_by_lost(tmp_path: Path) -> None:
+    """The worker that judged a trial lost wrote LOST over a COMPLETE result.json that the
+    trial's own worker (alive, but late with its heartbeats) had written meanwhile."""
+    folder = tmp_path / "trial-0003"
+    folder.mkdir()
+    save_result(folder, 3, TrialResult(Outcome.COMPLETE, 0.5, {}, 2.0))
+    assert not save_result_unless_saved(folder, 3, TrialResult(Outcome.LOST, reason="lost: its worker stopped"))
+    saved = saved_result(folder, 3)
+    assert saved is not None and saved.outcome is Outcome.COMPLETE and sorted(p.name for p in folder.iterdir()) == [
+        "result.json"]
+    empty = tmp_path / "trial-0004"
+    empty.mkdir()
+    assert save_result_unless_saved(empty, 4, TrialResult(Outcome.LOST, reason="lost: its worker stopped"))
+    assert saved_result(empty, 4) == TrialResult(Outcome.LOST, reason="lost: its worker stopped")
