@@ -492,7 +492,7 @@ def _work(args: argparse.Namespace) -> int:
     return _run_sweep(ctx, slots, seed, args, executor)
 
 
-REASON_MIN_WIDTH = 12  # hpo status: the narrowest a column of text (the reason) folds to
+TEXT_MIN_WIDTH = 12  # hpo status: the narrowest a column of text (a categorical's values, the reason) folds to
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -538,7 +538,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                       seconds, *([gpu_cell(row.gpus, scenario.resources.share)] if running else [])])
     headers = ("trial", "state", *names, scenario.objective.metric, *held_out, "seconds", *(["GPUs"] if running else []))
     table, needed = _status_table(headers, cells, reasons)
-    wide = console if console.width >= needed else _PipeConsole(width=needed)  # the terminal wraps its rows
+    # a terminal wraps a wider table's rows; without a height, rich gives a dumb terminal 80 columns whatever the width
+    wide = console if console.width >= needed else _PipeConsole(width=needed, height=console.height)
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
         wide.print(table)
@@ -552,7 +553,7 @@ def _status_table(headers: Sequence[str], cells: Sequence[Sequence[str]], reason
     """The status table of ``cells`` under ``headers`` (a ``reason`` column after them where
     one of ``reasons`` is not empty), and the width it needs. A number or a header is never
     split or cut (``0.000`` over ``3683`` read as two numbers); text (a categorical value, the
-    reason) folds, down to :data:`REASON_MIN_WIDTH`."""
+    reason) folds, down to :data:`TEXT_MIN_WIDTH` or its header's width."""
     from rich.cells import cell_len
     from rich.table import Table
 
@@ -565,11 +566,12 @@ def _status_table(headers: Sequence[str], cells: Sequence[Sequence[str]], reason
             table.add_column(header, no_wrap=True, min_width=widest)
             widths.append(widest)
         else:
-            table.add_column(header, overflow="fold", min_width=min(widest, REASON_MIN_WIDTH))
-            widths.append(min(widest, REASON_MIN_WIDTH))
+            narrowest = max(cell_len(header), min(widest, TEXT_MIN_WIDTH))
+            table.add_column(header, overflow="fold", min_width=narrowest)
+            widths.append(narrowest)
     if any(reasons):
-        table.add_column("reason", overflow="fold", min_width=REASON_MIN_WIDTH)
-        widths.append(REASON_MIN_WIDTH)
+        table.add_column("reason", overflow="fold", min_width=TEXT_MIN_WIDTH)
+        widths.append(TEXT_MIN_WIDTH)
     for row, reason in zip(cells, reasons):
         table.add_row(*row, *([reason] if any(reasons) else []))
     return table, sum(widths) + 3 * len(widths) + 1  # with each column's padding and rule
