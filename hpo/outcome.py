@@ -62,7 +62,8 @@ class TrialResult:
         value: the objective; a finite number exactly when ``outcome`` is COMPLETE.
         held_out: the held-out metrics that were reported (never seen by the optimizer).
         duration_s: seconds the trial's processes ran.
-        reason: why it did not complete (``<cause>: <last error line>``); empty when COMPLETE.
+        reason: why it did not complete (``<cause>: <last error line>``); when COMPLETE, empty
+            or which held-out metrics it reported NaN or infinite (:func:`not_finite_reason`).
         step: a step of the objective: where the pruner decided (pruned trials), else the last one
             reported, if any.
     """
@@ -80,3 +81,14 @@ class TrialResult:
         complete = self.outcome is Outcome.COMPLETE
         if complete != (self.value is not None and math.isfinite(self.value)):
             raise ValueError(f"{self.outcome} with value {self.value}: only COMPLETE has a finite value")
+
+
+def not_finite_reason(name: str, value: float) -> str:
+    """What a completed trial's reason says of its held-out metric ``name`` that it reported as
+    ``value``, NaN or infinite: it is not recorded (a store and the dashboard take finite numbers)."""
+    return f"held-out {name} was {value}: not recorded"
+
+
+def reported_not_finite(name: str, reason: str) -> bool:
+    """Whether ``reason`` (a completed trial's) says that it reported ``name`` NaN or infinite."""
+    return any(part.startswith(f"held-out {name} was ") for part in reason.split("; "))

@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from hpo.outcome import Outcome, TrialResult
+from hpo.outcome import Outcome, TrialResult, reported_not_finite
 from hpo.rows import TrialRow, best_row, gpu_cell, repeat_of, retried, standing
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 
 def _ended(result: TrialResult, metric: str) -> str:
     """``COMPLETE in 3.1 s: val_error=0.05``, or the reason of a trial that did not complete."""
-    detail = format_metrics(result.value, metric, result.held_out) if result.outcome is Outcome.COMPLETE \
-        else result.reason
+    detail = format_metrics(result.value, metric, result.held_out) + (f" ({result.reason})" if result.reason else "") \
+        if result.outcome is Outcome.COMPLETE else result.reason
     return f"{result.outcome} in {result.duration_s:.1f} s: {detail}"
 
 
@@ -149,10 +149,10 @@ def past_budget_note(t: Tally) -> str:
 
 def unreported(rows: list[TrialRow], held_out: tuple[str, ...]) -> list[str]:
     """The held-out metrics that no completed trial of ``rows`` reported, not even as NaN
-    (its reason says so: :func:`hpo.executor.not_finite`); none if no trial completed."""
+    (:func:`hpo.outcome.reported_not_finite`); none if no trial completed."""
     done = [row for row in rows if row.outcome is Outcome.COMPLETE]
     return [name for name in held_out if done and not any(
-        name in row.held_out or f"held-out {name} was " in row.reason for row in done)]
+        name in row.held_out or reported_not_finite(name, row.reason) for row in done)]
 
 
 def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
