@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -299,7 +300,7 @@ class ProgressView:
                 f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
                 f"{counts.get(Outcome.WAITING, 0) - t.past_budget} waiting{past}  "
                 f"[dim]{again} lost/interrupted (run again)[/]  ETA {eta(t, since, time.monotonic())}")
-        best = best_text(t.best, self._objective.metric).strip() or "best: none yet"
+        best = escape(best_text(t.best, self._objective.metric).strip() or "best: none yet")
         table = Table(box=None, pad_edge=False)
         for column in ("trial", "slot", "GPUs", "elapsed", "parameters"):
             table.add_column(column)
@@ -308,17 +309,19 @@ class ProgressView:
             elapsed = f"{now - since[row.number]:.0f} s" if row.number in since else ""
             table.add_row(str(row.number), "" if row.slot is None else str(row.slot),
                           gpu_cell(row.gpus, self._store.scenario.resources.share) or "-", elapsed,
-                          format_params(row.params))
+                          Text(format_params(row.params)))  # text, not markup: a value may hold [...]
         parts: list[Any] = [*self._wrapped(head), *self._wrapped(best), table]
         if t.failures:
             parts.append("[red]last failures:[/]")
             for r in t.failures:
-                parts += self._wrapped(f"  #{r.number} {r.state}: {r.reason}")
+                parts += self._wrapped(f"  #{r.number} {r.state}: {escape(r.reason)}")
         return Group(*parts)
 
     def _wrapped(self, markup: str) -> list[Text]:
-        """``markup`` as lines that fit the terminal: the live view crops a longer line
-        (its console keeps printed lines whole), which cut the ETA off the counts."""
+        """``markup`` (whose text from users, a failure's reason, is escaped: ``[/data/x]`` in
+        one raised MarkupError in the view's thread) as lines that fit the terminal: the live
+        view crops a longer line (its console keeps printed lines whole), which cut the ETA off
+        the counts."""
         return list(Text.from_markup(markup).wrap(self._console, self._console.width))
 
 

@@ -245,3 +245,16 @@ def test_a_completed_trial_s_end_line_names_a_held_out_metric_not_recorded() -> 
     result = TrialResult(Outcome.COMPLETE, 0.25, {}, 3.04, reason="held-out test_error was nan: not recorded")
     assert end_line(TrialEnd(3, {}, result), "val_error") == (
         "trial 3 COMPLETE in 3.0 s: val_error=0.25 (held-out test_error was nan: not recorded)")
+
+
+def test_the_live_view_shows_brackets_in_reasons_and_values_as_they_are(tmp_path: Path,
+                                                                          write_scenario: WriteScenario) -> None:
+    """A reason holding [/data/x] raised MarkupError in the live view (ending hpo run), and one
+    holding [rank1]: lost that text."""
+    scenario = load_scenario(write_scenario(tmp_path, objective={"held_out": []}))
+    failed = replace(_row(0, 0.3), outcome=Outcome.FAIL, value=None, reason="[rank1]: cannot open [/data/x]")
+    running = replace(_row(1, 0.3), outcome=Outcome.RUNNING, value=None, params={"x": "[bold]"})
+    view = ProgressView(Store(scenario, (failed, running)), 4, "1 slot", Console(file=io.StringIO(), width=100))
+    shown = io.StringIO()
+    Console(file=shown, width=100).print(view._render())
+    assert "#0 FAIL: [rank1]: cannot open [/data/x]" in shown.getvalue() and "x=[bold]" in shown.getvalue()
