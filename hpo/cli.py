@@ -541,11 +541,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     # a terminal wraps a wider table's rows; without a height, rich gives a dumb terminal 80 columns whatever the width
     wide = console if console.width >= needed else _PipeConsole(width=needed, height=console.height)
     if shown:
-        console.print(_status_title(scenario.name, shown, len(rows)), highlight=False, soft_wrap=True)
+        console.print(_status_title(scenario.name, shown, len(rows)), markup=False, highlight=False, soft_wrap=True)
         wide.print(table)
-    console.print(summary_line(summary, scenario.objective.metric, value_digits), highlight=False, soft_wrap=True)
+    console.print(summary_line(summary, scenario.objective.metric, value_digits), markup=False, highlight=False,
+                  soft_wrap=True)
     if best is not None:
-        console.print(f"best params: {format_params(best.params, 6)}", highlight=False, soft_wrap=True)
+        console.print(f"best params: {format_params(best.params, 6)}", markup=False, highlight=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -556,6 +557,7 @@ def _status_table(headers: Sequence[str], cells: Sequence[Sequence[str]], reason
     reason) folds, down to :data:`TEXT_MIN_WIDTH` or its header's width."""
     from rich.cells import cell_len
     from rich.table import Table
+    from rich.text import Text
 
     table = Table()
     widths = []
@@ -573,7 +575,7 @@ def _status_table(headers: Sequence[str], cells: Sequence[Sequence[str]], reason
         table.add_column("reason", overflow="fold", min_width=TEXT_MIN_WIDTH)
         widths.append(TEXT_MIN_WIDTH)
     for row, reason in zip(cells, reasons):
-        table.add_row(*row, *([reason] if any(reasons) else []))
+        table.add_row(*(Text(cell) for cell in (*row, *([reason] if any(reasons) else []))))  # text, not markup
     return table, sum(widths) + 3 * len(widths) + 1  # with each column's padding and rule
 
 

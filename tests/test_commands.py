@@ -406,3 +406,12 @@ def test_a_rerun_of_a_trial_from_before_a_space_change_is_refused(tmp_path: Path
         "error: trial 0: it has no z, which the scenario added since; hpo rerun runs a configuration of the "
         "scenario's search space as it is: rerun a trial run since the change\n"))
     assert run_hpo("rerun", scenario, "1", "--allow-space-change").returncode == 0
+
+
+def test_status_shows_brackets_in_a_reason_as_they_are(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """rich read a reason's [/data/x] as markup: hpo status failed with a MarkupError."""
+    scenario = write_scenario(tmp_path, search={"trials": 1},
+                              template_text="raise SystemExit('[rank1]: cannot open [/data/x]')\n")
+    assert run_hpo("run", scenario).returncode == 0
+    status = run_hpo("status", scenario)
+    assert status.returncode == 0 and "cannot open [/data/x]" in status.stdout, status.stdout + status.stderr
