@@ -150,7 +150,7 @@ def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
         return trial_seed(study_seed, number)
 
 
-PREFLIGHT_SAMPLES = 1000  # the most configurations preflight renders
+PREFLIGHT_SAMPLES = 100  # the most configurations preflight renders
 
 
 def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | None) -> None:
@@ -171,21 +171,26 @@ def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | 
 
 
 def preflight_samples(params: Mapping[str, Param], design: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """What :func:`preflight` renders, :data:`PREFLIGHT_SAMPLES` at most: the design's points;
-    else the middle of the space with each combination of the choices that conditions name,
-    so that a template that uses a parameter only some choices activate is rendered without it."""
-    if design:
-        return design[:PREFLIGHT_SAMPLES]
-    free = space.free_parameters(params)
-    parents = [name for name in free if any(name in (p.condition or {}) for p in params.values())]
-    samples = []
-    for picks in itertools.islice(itertools.product(*(range(len(params[name].choices or ())) for name in parents)),
-                                  PREFLIGHT_SAMPLES):
-        point = [0.5] * len(free)
-        for name, pick in zip(parents, picks):
-            point[free.index(name)] = (pick + 0.5) / len(params[name].choices or ())
-        samples.append(space.from_unit(params, np.array(point)))
-    return samples
+    """What :func:`preflight` renders: one configuration for each set of active parameters
+    (what a template may be missing), :data:`PREFLIGHT_SAMPLES` at most. The first of the
+    design's points with each set; else the middle of the space with each combination of the
+    choices that conditions name."""
+    if not design:
+        free = space.free_parameters(params)
+        parents = [name for name in free if any(name in (p.condition or {}) for p in params.values())]
+        design = []
+        for picks in itertools.islice(itertools.product(*(range(len(params[name].choices or ())) for name in parents)),
+                                      PREFLIGHT_SAMPLES):
+            point = [0.5] * len(free)
+            for name, pick in zip(parents, picks):
+                point[free.index(name)] = (pick + 0.5) / len(params[name].choices or ())
+            design.append(space.from_unit(params, np.array(point)))
+    samples: dict[frozenset[str], dict[str, Any]] = {}
+    for point in design:
+        samples.setdefault(frozenset(point), point)
+        if len(samples) == PREFLIGHT_SAMPLES:
+            break
+    return list(samples.values())
 
 
 class _FullFolders:
