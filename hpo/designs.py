@@ -20,6 +20,7 @@ import csv
 import io
 import math
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +59,36 @@ def grid_points(scenario: Scenario) -> list[Point]:
     hold adds no points of its own. InputError past :data:`GRID_POINTS_LIMIT` points."""
     params = scenario.parameters
     sizes = {name: space.grid_size(name, p) for name, p in params.items()}
+    if _grid_count(params, sizes) > GRID_POINTS_LIMIT:
+        raise _grid_too_large(sizes)
     points: list[Point] = [{}]
     for name, p in params.items():
-        grown: list[Point] = []
-        for point in points:
-            if not space.is_active(p, point):
-                grown.append(point)
-                continue
-            for value in space.grid_values(name, p):
-                grown.append({**point, name: value})
-                if len(grown) > GRID_POINTS_LIMIT:
-                    raise _grid_too_large(sizes)
-        points = grown
+        points = [grown for point in points for grown in (
+            ({**point, name: value} for value in space.grid_values(name, p)) if space.is_active(p, point) else [point])]
     return points
+
+
+def _grid_count(params: Mapping[str, Param], sizes: Mapping[str, int]) -> int:
+    """How many points the grid has, counted without listing them (past
+    :data:`GRID_POINTS_LIMIT` it stops counting): the values of the parameters that conditions
+    name are followed, the others only counted."""
+    parents = {parent for p in params.values() for parent in (p.condition or {})}
+    branches: dict[tuple[tuple[str, Any], ...], int] = {(): 1}  # the parents' values so far: how many points
+    for name, p in params.items():
+        grown: dict[tuple[tuple[str, Any], ...], int] = {}
+        for branch, count in branches.items():
+            if not space.is_active(p, dict(branch)):
+                grown[branch] = grown.get(branch, 0) + count
+            elif name in parents:
+                for value in space.grid_values(name, p):
+                    key = (*branch, (name, value))
+                    grown[key] = grown.get(key, 0) + count
+            else:
+                grown[branch] = grown.get(branch, 0) + count * sizes[name]
+        branches = grown
+        if sum(branches.values()) > GRID_POINTS_LIMIT:
+            break
+    return sum(branches.values())
 
 
 def _grid_too_large(sizes: dict[str, int]) -> InputError:
