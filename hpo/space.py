@@ -50,9 +50,11 @@ def suggest(trial: Any, params: Params) -> dict[str, Any]:
 
 
 def tidy(p: Param, value: Any) -> Any:
-    """``value`` of ``p`` as a design writes it: a stepped float to 12 decimals (Optuna's
+    """``value`` of ``p`` as a design writes it: a stepped float to :func:`step_decimals` (Optuna's
     ``low + k * step`` carries binary noise: 0.30000000000000004), anything else as it is."""
-    return round(value, 12) if p.type == "float" and p.step is not None and isinstance(value, float) else value
+    if p.type == "float" and p.step is not None and isinstance(value, float):
+        return round(value, step_decimals(p.step))
+    return value
 
 
 def tidied(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,7 +138,13 @@ def grid_steps(params: Params) -> dict[str, float]:
 
 def _on_step(p: Param, step: float, k: int) -> Any:
     """The ``k``-th value of a stepped parameter: ``low + k * step``."""
-    return int(p.low) + k * int(step) if p.type == "int" else round(p.low + k * step, 12)
+    return int(p.low) + k * int(step) if p.type == "int" else round(p.low + k * step, step_decimals(step))
+
+
+def step_decimals(step: float) -> int:
+    """The decimals a value on ``step`` is rounded to: 12 past the step's first digit (at
+    least 12), which drops binary noise and keeps steps of any size apart."""
+    return 12 - min(0, math.floor(math.log10(step)))
 
 
 def _grid_steps(name: str, p: Param) -> tuple[float, int]:

@@ -386,3 +386,10 @@ def test_a_stepped_float_that_a_sampler_suggests_has_no_binary_noise() -> None:
         values = space.suggest(study.ask(), params)
         assert all(repr(values[name]) == repr(round(values[name], 12)) for name in values)
         assert all(len(repr(value)) < 12 for value in values.values()), values
+
+
+def test_values_of_a_tiny_step_stay_apart() -> None:
+    """Rounded to 12 decimals, 3e-13 and 4e-13 on a step of 1e-13 were both 0.0."""
+    p = Param(type="float", low=0.0, high=1e-12, step=1e-13)
+    assert space.tidy(p, 3e-13) == 3e-13 and space.tidy(p, 4.000000000000001e-13) == 4e-13
+    assert space.tidy(Param(type="float", low=0.0, high=1000.0, step=100.0), 300.0000000000001) == 300.0
