@@ -349,6 +349,8 @@ def test_coerce_bad_cells(spec: dict[str, Any], text: str, message: str) -> None
 
 @pytest.mark.parametrize(("spec", "text", "expected"), [
     ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "0.25000001", 0.25),
+    ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "1.00000001", 1.0),
+    ({"type": "float", "low": 0, "high": 1, "step": 0.25}, "-0.00000001", 0.0),
     ({"type": "float", "low": 0, "high": 1, "step": 0.1}, "0.29999999", 0.3),
     ({"type": "float", "low": -1, "high": 1, "step": 0.5}, "-0.4999999999", -0.5),
 ])

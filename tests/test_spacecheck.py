@@ -121,3 +121,13 @@ def test_a_changed_choice_is_refused_before_the_study_is_touched(
     assert resumed.returncode == 0, resumed.stderr
     rows = list(csv.DictReader(io.StringIO(run_cli("export", old).stdout)))
     assert [row["state"] for row in rows] == ["COMPLETE"] * 3 and all(row["opt"] in ("a", "b") for row in rows)
+
+
+def test_a_csv_row_that_ran_before_its_cell_was_snapped_to_the_step_is_not_an_edit() -> None:
+    """A cell 0.25000001 ran as itself before cells near a step were snapped; the design now
+    reads 0.25, and resuming called the row edited."""
+    from hpo.scenario import Param
+    from hpo.spacecheck import _same
+    stepped = Param(type="float", low=0.0, high=1.0, step=0.25)
+    assert _same(stepped, 0.25, 0.25000001) and not _same(stepped, 0.25, 0.2501)
+    assert not _same(Param(type="float", low=0.0, high=1.0), 0.25, 0.25000001)
