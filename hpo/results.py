@@ -96,8 +96,8 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     for name, value in metrics.items():
         try:
             payload[name] = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"report(): {name} is {value!r}, not a number") from None
+        except (TypeError, ValueError) as exc:  # the class float() raised, with the metric's name
+            raise type(exc)(f"report(): {name} is {value!r}, not a number") from None
     out = file or sys.stdout
     out.write(json.dumps(payload) + "\n")
     out.flush()

@@ -213,11 +213,13 @@ class Scheduler:
         return Claim(trial.number, params, trial, trial_folder(self._workdir, trial.number), token, seed, prunable,
                      repeats)
 
-    def _recorded_seed(self, trials: list[FrozenTrial], source: int, original: int | None) -> int:
+    def _recorded_seed(self, trials: list[FrozenTrial], source: int, original: int | None,
+                       default: int | None = None) -> int:
         """The ``trial_seed`` recorded on trial ``source`` or, where it has none (never claimed,
         or a study that did not record it), on the trials it was queued again from
-        (``requeue_of``, back to the first that recorded one); where none did, the default of
-        ``original`` (the trial a rerun reruns), else of the first trial of that line."""
+        (``requeue_of``, back to the first that recorded one); where none did, ``default`` if
+        given, else the default of ``original`` (the trial a rerun reruns), else of the first
+        trial of that line."""
         by_number = {t.number: t for t in trials}
         number, seed = source, None
         while True:
@@ -231,6 +233,8 @@ class Scheduler:
             number = int(back)
         if seed is not None:
             return int(seed)
+        if default is not None:
+            return default
         return trial_seed(self.store.scenario.search.seed, number if original is None else original)
 
     def claim_rerun(self, original: TrialRow, seed: int | None, default_seed: int) -> Claim:
@@ -247,10 +251,11 @@ class Scheduler:
 
         waiting = queued()
         if waiting and seed is None:
-            seed = self._recorded_seed(store.trials(), waiting[0], original.number)
+            seed = self._recorded_seed(store.trials(), waiting[0], original.number, default_seed)
         if not waiting:
             store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
-        return self._claimed(store.claim_waiting(queued()[0]), default_seed if seed is None else seed, prunable=False,
+            waiting = queued()
+        return self._claimed(store.claim_waiting(waiting[0]), default_seed if seed is None else seed, prunable=False,
                              repeats=original.number)
 
     def _twin(self, trial: optuna.Trial) -> int | None:

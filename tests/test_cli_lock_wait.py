@@ -94,9 +94,11 @@ def test_a_stop_that_ends_a_wait_for_the_ask_lock_exits_as_interrupted(
     holder: list[int] = []
 
     def interrupt() -> None:
-        wait_for(lambda: (first / "began").exists())
-        holder.append(holders(url))
-        (first / "go").touch()  # trial 0 ends only now that the lock is held: the next claim must wait for it
+        try:
+            wait_for(lambda: (first / "began").exists())
+            holder.append(holders(url))
+        finally:  # trial 0 ends only now that the lock is held (the next claim must wait for it), or this failed
+            (first / "go").touch()
         if waiting == "to claim":
             wait_for(lambda: (first / "result.json").exists())
             time.sleep(0.3)

@@ -229,7 +229,8 @@ class RestartableDask(LocalDask):
     def _listens(self) -> bool:
         """Whether the scheduler process started last listens on the port."""
         try:
-            connections = psutil.Process(self.scheduler.pid).net_connections(kind="tcp")
+            process = psutil.Process(self.scheduler.pid)
+            connections = getattr(process, "net_connections", process.connections)(kind="tcp")  # psutil < 6
         except psutil.Error:
             return False
         return any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in connections)

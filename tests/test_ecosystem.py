@@ -10,11 +10,13 @@ import csv
 import io
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -111,10 +113,7 @@ def test_a_study_is_first_class_for_optuna_and_its_dashboard(tmp_path: Path) -> 
     server = subprocess.Popen([sys.executable, "-m", "hpo", "dashboard", str(path), "--port", "0"],
                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert server.stdout is not None
-        served = re.search(r"http://127\.0\.0\.1:(\d+)/dashboard/", server.stdout.readline())
-        assert served is not None, server.communicate(timeout=30)
-        port = int(served[1])  # the port it got: a port found free beforehand may be taken by then
+        port = _served_port(server)  # the port it got: a port found free beforehand may be taken by then
         studies = _get_json(f"http://127.0.0.1:{port}/api/studies", server)
         entry = next(s for s in studies["study_summaries"] if s["study_name"] == "mnist-unmodified")
         detail = _get_json(f"http://127.0.0.1:{port}/api/studies/{entry['study_id']}", server)
@@ -148,6 +147,26 @@ def test_rerun_repeats_a_configuration_without_using_budget(tmp_path: Path) -> N
     assert "10/10 trials done" in status.stdout
     assert json.loads((Path(rerun["folder"]) / "params.json").read_text())["trial_seed"] == json.loads(
         (Path(original["folder"]) / "params.json").read_text())["trial_seed"]
+
+
+def _served_port(server: subprocess.Popen[str]) -> int:
+    """The port that ``hpo dashboard --port 0`` says it serves on (its output read in a thread,
+    for at most a minute)."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert server.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 60
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            assert server.poll() is None, seen
+            continue
+        served = re.search(r"http://127\.0\.0\.1:(\d+)/dashboard/", seen[-1])
+        if served is not None:
+            return int(served[1])
+    raise AssertionError(f"the dashboard never said where it serves: {seen}")
 
 
 def _get_json(url: str, server: subprocess.Popen[str]) -> dict:  # type: ignore[type-arg]

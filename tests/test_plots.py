@@ -7,6 +7,7 @@ errs 0.66-0.90), one where every trial failed, one with outliers, one with every
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import random
@@ -703,3 +704,25 @@ def test_the_points_of_a_choice_are_spread_about_it_when_there_are_many(tmp_path
     assert 0.1 < spread.max() <= CHOICE_JITTER and len(np.unique(np.round(places))) == 2
     low, high = slice_panel(chart, "act").get_xlim()
     assert low < places.min() and places.max() < high
+
+
+def test_tick_labels_that_only_touch_are_crowded() -> None:
+    """Ten labels 0.2 px apart read as one number, 10152025303540455055; they did not overlap,
+    so they were not thinned."""
+    from matplotlib.figure import Figure as PlainFigure
+
+    from hpo.plots import _crowded
+    figure = PlainFigure(figsize=(4, 2), dpi=100)
+    ax = figure.add_axes((0.1, 0.3, 0.8, 0.6))
+    ax.set_xlim(0, 100)
+    labels = [str(10 + 5 * i) for i in range(11)]
+
+    def gaps(size: float) -> list[float]:
+        ax.set_xticks(range(0, 101, 10), labels, fontsize=size)
+        figure.draw_without_rendering()
+        spans = sorted((box.x0, box.x1) for box in (label.get_window_extent() for label in ax.xaxis.get_ticklabels()))
+        return [right[0] - left[1] for left, right in itertools.pairwise(spans)]
+
+    assert min(gaps(6)) > 6 * 0.5 * figure.dpi / 72 and not _crowded(ax.xaxis, -math.inf, math.inf)
+    size = next(size / 10 for size in range(300, 60, -1) if min(gaps(size / 10)) > 0)  # the largest not to overlap
+    assert 0 < min(gaps(size)) < size * 0.5 * figure.dpi / 72 and _crowded(ax.xaxis, -math.inf, math.inf)
