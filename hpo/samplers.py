@@ -7,6 +7,7 @@ hpo's SMAC-style optimizer for ``smac``.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 import numpy as np
@@ -27,6 +28,14 @@ def make_sampler(scenario: Scenario, seed: int, resumed_at: int = 0) -> optuna.s
                          direction=scenario.objective.direction)
 
 
+def _quiet_independent_sampling() -> dict[str, bool]:
+    """TPESampler's argument that silences its independent-sampling warnings, where it warns
+    by default (Optuna before 4.9); later Optuna is silent by default, deprecates the argument
+    (a FutureWarning) and drops it in 6."""
+    parameter = inspect.signature(optuna.samplers.TPESampler).parameters.get("warn_independent_sampling")
+    return {"warn_independent_sampling": False} if parameter is not None and parameter.default is True else {}
+
+
 def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | None,
                   direction: str = "minimize") -> optuna.samplers.BaseSampler:
     """The sampler of a search method over ``parameters``.
@@ -39,7 +48,7 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
     """
     if method == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          warn_independent_sampling=False)
+                                          **_quiet_independent_sampling())
     if method == "gp":
         return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
     if method == "smac":
