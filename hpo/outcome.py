@@ -86,9 +86,13 @@ class TrialResult:
 def not_finite_reason(name: str, value: float) -> str:
     """What a completed trial's reason says of its held-out metric ``name`` that it reported as
     ``value``, NaN or infinite: it is not recorded (a store and the dashboard take finite numbers)."""
-    return f"held-out {name} was {value}: not recorded"
+    return f"{_not_finite_start(name)}{value}: not recorded"
 
 
 def reported_not_finite(name: str, reason: str) -> bool:
     """Whether ``reason`` (a completed trial's) says that it reported ``name`` NaN or infinite."""
-    return any(part.startswith(f"held-out {name} was ") for part in reason.split("; "))
+    return any(part.startswith(_not_finite_start(name)) for part in reason.split("; "))
+
+
+def _not_finite_start(name: str) -> str:
+    return f"held-out {name} was "

@@ -638,8 +638,7 @@ def _check_flags(scenario: Scenario) -> None:
 def _exclusive(a: Param, b: Param) -> bool:
     """Whether the conditions of ``a`` and ``b`` never hold together (one parent, no common value)."""
     def wanted(param: Param, parent: str) -> set[Any]:
-        value = (param.condition or {})[parent]
-        return set(value if isinstance(value, list) else [value])
+        return set(_listed((param.condition or {})[parent]))
     shared = set(a.condition or {}) & set(b.condition or {})
     return any(not wanted(a, parent) & wanted(b, parent) for parent in shared)
 
@@ -657,13 +656,18 @@ def _check_condition(name: str, param: Param, earlier: list[str], params: dict[s
         if wanted == []:
             raise ValueError(f"parameters.{name}.condition.{parent}: an empty list holds for no value of {parent}, "
                              f"so {name} would never be searched")
-        for value in wanted if isinstance(wanted, list) else [wanted]:
+        for value in _listed(wanted):
             if _choice_key(value) not in {_choice_key(choice) for choice in choices}:
                 raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent} "
                                  f"({_yaml(list(choices))}){_bool_hint(value, choices)}")
     if _needs(name, params) is None:
         raise ValueError(f"parameters.{name}.condition: it can never hold: its parents' own conditions want other "
                          f"values of the parameters it names, so {name} would never be searched")
+
+
+def _listed(wanted: Any) -> list[Any]:
+    """The values a condition wants of one parameter: a list, or one value."""
+    return wanted if isinstance(wanted, list) else [wanted]
 
 
 def _choice_key(value: Any) -> tuple[bool, Any]:
@@ -676,15 +680,13 @@ def _needs(name: str, params: dict[str, Param]) -> dict[str, set[tuple[bool, Any
     through its parents, theirs; None where no value can do (two want disjoint values)."""
     needs: dict[str, set[tuple[bool, Any]]] = {}
     for parent, wanted in (params[name].condition or {}).items():
-        for source in ({parent: wanted}, _needs(parent, params)):
-            if source is None:
+        inherited = _needs(parent, params)
+        if inherited is None:
+            return None
+        for key, allowed in [(parent, {_choice_key(value) for value in _listed(wanted)}), *inherited.items()]:
+            needs[key] = needs[key] & allowed if key in needs else allowed
+            if not needs[key]:
                 return None
-            for key, values in source.items():
-                allowed = values if isinstance(values, set) else {
-                    _choice_key(v) for v in (values if isinstance(values, list) else [values])}
-                needs[key] = needs[key] & allowed if key in needs else set(allowed)
-                if not needs[key]:
-                    return None
     return needs
 
 

@@ -305,13 +305,15 @@ def coerce(name: str, p: Param, text: str) -> Any:
         if number != int(number):
             raise ValueError(f"{text!r} is not a whole number")
         number = int(number)
+    off_step = False
     if p.step is not None:  # snapped first, at the ends of the range too
         steps = (number - p.low) / p.step
-        if abs(steps - round(steps)) <= 1e-6:
+        off_step = abs(steps - round(steps)) > 1e-6
+        if not off_step:
             number = _on_step(p, p.step, round(steps))
     if number < p.low or number > p.high:
         raise ValueError(f"{text} is outside [{p.low:g}, {p.high:g}]")
-    if p.step is not None and number != _on_step(p, p.step, round((number - p.low) / p.step)):
+    if off_step:
         raise ValueError(f"{text} is not on the step {p.step:g} from {p.low:g}")
     return number
 

@@ -158,8 +158,9 @@ def _same(param: Param, now: Any, ran: Any) -> bool:
     """Whether ``now`` (the design's value) is ``ran`` (a trial's) as ``param``'s type compares them."""
     if param.type in ("int", "float") and _number(now) and _number(ran):
         if param.type == "int":
-            return bool(now == ran)  # a stepped float within a millionth of a step: the snap of a CSV cell
-        return math.isclose(now, ran, rel_tol=1e-9, abs_tol=1e-6 * param.step if param.step else 0.0)
+            return bool(now == ran)
+        step_tolerance = 1e-6 * param.step if param.step else 0.0  # a CSV cell's snap onto its step
+        return math.isclose(now, ran, rel_tol=1e-9, abs_tol=step_tolerance)
     return bool(now == ran) and isinstance(now, bool) == isinstance(ran, bool)
 
 
