@@ -457,10 +457,29 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     if code is not None:
         return code
     failed = [f"worker-{i} {ended(c)}" for i, c in enumerate(codes) if c != 0]
-    if failed:
-        print(f"error: {', '.join(failed)}: see {ctx.workdir}/worker-*.log", file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OK
+    if not failed:
+        return EXIT_OK
+    if _finished(sweep):
+        print(f"hpo: the other workers finished the sweep; {', '.join(failed)}: see {ctx.workdir}/worker-*.log",
+              flush=True)
+        return EXIT_OK
+    print(f"error: {', '.join(failed)}: see {ctx.workdir}/worker-*.log", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _finished(sweep: Any) -> bool:
+    """Whether ``sweep``'s study has run its budget to the end, nothing running or waiting
+    within it (False where its store does not answer): a worker that died on the way (the
+    OOM killer, a kill -9) then cost nothing, and ``hpo run --workers`` exits 0."""
+    from hpo.errors import StoreUnavailable
+    from hpo.outcome import Outcome
+    from hpo.progress import tally
+
+    try:
+        t = tally(sweep.store.rows(), sweep.budget, sweep.store.scenario.objective.direction)
+    except StoreUnavailable:
+        return False
+    return t.done >= t.budget and not t.running and t.past_budget == t.counts.get(Outcome.WAITING, 0)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

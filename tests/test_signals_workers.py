@@ -160,7 +160,8 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
 
 def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_path: Path) -> None:
     """kill -9 of one of hpo run's workers: nothing was said until the end, which said only
-    'worker-0 (exit -9) ended with an error'."""
+    'worker-0 (exit -9) ended with an error'; then hpo run exited 1 though the other worker had
+    finished the sweep."""
     path = write(tmp_path, 2, pause=1.0)
     run, _, pid = run_two_workers_until_a_trial_runs(path)
     os.kill(pid, signal.SIGKILL)
@@ -170,7 +171,28 @@ def test_a_worker_killed_mid_sweep_is_said_at_once_and_its_trial_runs_again(tmp_
                       r"running is judged lost once its heartbeat stops, and runs again$", out, re.MULTILINE)
     assert len(said) == 1 and said[0][0] == said[0][1], out
     index = said[0][0]
-    assert (run.returncode, err) == (1, f"error: worker-{index} was killed by SIGKILL: see {folder}/worker-*.log\n")
+    assert (run.returncode, err) == (0, ""), out  # the other worker finished the sweep: nothing is missing
+    assert out.rstrip().endswith(f"hpo: the other workers finished the sweep; worker-{index} was killed by SIGKILL: "
+                                 f"see {folder}/worker-*.log"), out
+    assert_every_point_once(path)
+
+
+def test_a_sweep_whose_workers_all_die_exits_1_and_resumes(tmp_path: Path) -> None:
+    """Every worker of hpo run --workers killed (the OOM killer): the sweep is not finished,
+    which exit 1 says, naming each worker; hpo run again finishes it."""
+    path = write(tmp_path, 2, pause=1.0)
+    run, _, _ = run_two_workers_until_a_trial_runs(path)
+    workers = [child for child in psutil.Process(run.pid).children() if "worker" in child.cmdline()]
+    assert len(workers) == 2
+    for worker in workers:
+        worker.kill()
+    out, err = run.communicate(timeout=120)
+    folder = tmp_path / "runs" / "sweep"
+    assert run.returncode == 1, out + err
+    assert re.fullmatch(rf"error: worker-\d was killed by SIGKILL, worker-\d was killed by SIGKILL: see "
+                        rf"{folder}/worker-\*.log\n", err), err
+    again = hpo("run", str(path))
+    assert again.returncode == 0, again.stdout + again.stderr
     assert_every_point_once(path)
 
 
