@@ -429,11 +429,12 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
                 proc.send_signal(signal.SIGCONT)
 
     signals = _Signals(forward)
+    numbers = logs.claim(workers)
     with signals.installed(), relaying(procs, logs, lambda line: print(line, flush=True)) as relays:
-        for index in range(workers):
+        for position, index in enumerate(numbers):
             if signals.signum is not None:  # stopped while the workers start: start no more
                 break
-            share = slots[index::workers]
+            share = slots[position::workers]
             argv = [sys.executable, "-m", "hpo", "worker", str(ctx.scenario.path), "--storage", ctx.storage,
                     "--workdir", str(ctx.workdir), "--seed", str(ctx.scenario.search.seed + index),
                     "--slots", json.dumps([asdict(slot) for slot in share]), "--log", str(logs.path(index))]
@@ -447,8 +448,10 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
                 relays.say(said)
             relays.add(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=die_with_parent))  # noqa: PLW1509 (prctl only)
-        print(f"started {len(procs)} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log)", flush=True)
+                                        preexec_fn=die_with_parent), index)  # noqa: PLW1509 (prctl only)
+        others = f"; worker-0 to worker-{numbers[0] - 1} are another hpo run's" if numbers[0] else ""
+        print(f"started {len(procs)} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log{others})",
+              flush=True)
         with ProgressView(sweep.store, sweep.budget, _plan_line(ctx, args, slots, executor)) as view:
             relays.say = view.note
             follow_store(sweep.store, view, lambda: all(proc.poll() is not None for proc in procs))
@@ -456,7 +459,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     code = signals.exit_code()
     if code is not None:
         return code
-    failed = [f"worker-{i} {ended(c)}" for i, c in enumerate(codes) if c != 0]
+    failed = [f"worker-{i} {ended(c)}" for i, c in zip(numbers, codes, strict=False) if c != 0]
     if not failed:
         return EXIT_OK
     if _finished(sweep):

@@ -16,6 +16,7 @@ itself (:class:`PipeToRun`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import signal
 import subprocess
@@ -44,6 +45,30 @@ class WorkerLogs:
         self._unwritten: dict[int, bytes] = {}
         self._dropped = 0
         self._full = False
+        self._held: list[io.BufferedWriter] = []
+
+    def claim(self, count: int) -> list[int]:
+        """The numbers of this run's ``count`` workers: the first whose logs no other live hpo
+        run holds (an flock on the log, held until :meth:`close` or this process's end), so that
+        two runs of ``--workers`` in one workdir at once do not write into each other's logs
+        (or give their workers the same seeds). A log that cannot be opened is taken as free."""
+        numbers: list[int] = []
+        number = 0
+        while len(numbers) < count:
+            try:
+                log = self.path(number).open("ab", buffering=0)
+            except OSError:
+                numbers.append(number)
+            else:
+                try:
+                    fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    log.close()
+                else:
+                    self._held.append(log)
+                    numbers.append(number)
+            number += 1
+        return numbers
 
     def path(self, index: int) -> Path:
         """The log of worker ``index``: ``<folder>/worker-<index>.log``."""
@@ -84,6 +109,9 @@ class WorkerLogs:
         said = None
         for index in list(self._unwritten):
             said = self.write(index, b"")
+        for log in self._held:
+            log.close()
+        self._held.clear()
         if not self._unwritten:
             return said
         names = ", ".join(self.path(index).name for index in sorted(self._unwritten))
@@ -158,11 +186,11 @@ class Relays:
         self._logs = logs
         self.threads: list[threading.Thread] = []
 
-    def add(self, proc: subprocess.Popen[bytes]) -> None:
-        """Relay ``proc``, the next worker (:func:`relay`), from now on."""
+    def add(self, proc: subprocess.Popen[bytes], number: int) -> None:
+        """Relay ``proc``, worker ``number`` (:func:`relay`), from now on."""
         self.procs.append(proc)
         if proc.stdout:
-            self.threads.append(relay(len(self.procs) - 1, proc, self._logs, lambda line: self.say(line)))
+            self.threads.append(relay(number, proc, self._logs, lambda line: self.say(line)))
 
 
 @contextlib.contextmanager

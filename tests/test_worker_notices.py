@@ -61,7 +61,20 @@ def test_a_worker_is_read_from_the_moment_it_is_added_not_once_every_worker_runs
     procs: list[subprocess.Popen[bytes]] = []
     with relaying(procs, logs, said.append) as relays:
         relays.add(subprocess.Popen([sys.executable, "-c", "print('x' * 200_000); print('hpo: a notice')"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT), 0)
         assert procs[0].wait(timeout=20) == 0  # a pipe holds 64 KiB: unread, the worker would block here
     assert said == ["hpo: worker-0: a notice"]
     assert logs.path(0).read_text() == "x" * 200_000 + "\nhpo: a notice\n"
+
+
+def test_two_runs_in_one_workdir_take_distinct_worker_logs(tmp_path: Path) -> None:
+    """Two hpo run --workers 2 at once in one workdir both wrote worker-0.log and worker-1.log
+    (and gave their workers the same seeds): the second takes the next numbers, and numbers
+    come free when the run that held them ends."""
+    from hpo.worker_logs import WorkerLogs
+
+    first, second = WorkerLogs(tmp_path), WorkerLogs(tmp_path)
+    assert first.claim(2) == [0, 1]
+    assert second.claim(2) == [2, 3]
+    first.close()
+    assert WorkerLogs(tmp_path).claim(3) == [0, 1, 4]
