@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import hashlib
 import logging
 import os
@@ -86,7 +87,7 @@ from hpo.executor import (
     save_result,
     saved_result,
 )
-from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, plural, usable_cores
+from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, gpu_ids, plural, usable_cores
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, folder_full, folder_writes, write_files
 from hpo.results import Metrics
@@ -229,12 +230,11 @@ def _stopping_event(topic: str) -> str:
 
 def worker_gpus() -> tuple[int, ...]:
     """GPU ids of the worker's machine: ``HPO_GPUS``, else ``CUDA_VISIBLE_DEVICES`` when it
-    lists ids (a batch system's allocation), else what nvidia-smi shows."""
+    lists distinct ids (a batch system's allocation; not UUIDs), else what nvidia-smi shows."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if GPU_ENV not in os.environ and visible is not None:
-        parts = [part.strip() for part in visible.split(",") if part.strip()]
-        if all(part.isascii() and part.isdigit() for part in parts):
-            return tuple(int(part) for part in parts)
+        with contextlib.suppress(InputError):
+            return gpu_ids(visible, "CUDA_VISIBLE_DEVICES")
     return detect_gpus()
 
 

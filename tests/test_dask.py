@@ -344,6 +344,8 @@ def test_fractions_share_a_gpu_and_gpus_per_trial_takes_whole_ones() -> None:
     ({"HPO_GPUS": "", "CUDA_VISIBLE_DEVICES": "0,1"}, ()),
     ({"CUDA_VISIBLE_DEVICES": "4,5"}, (4, 5)),
     ({"CUDA_VISIBLE_DEVICES": ""}, ()),
+    ({"CUDA_VISIBLE_DEVICES": "0,0"}, ()),  # not distinct ids: what nvidia-smi shows (none here)
+    ({"CUDA_VISIBLE_DEVICES": "GPU-5e1c0b2a"}, ()),  # a UUID: likewise
 ])
 def test_a_worker_finds_its_gpus(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], gpus: tuple[int, ...]) -> None:
     for name in ("HPO_GPUS", "CUDA_VISIBLE_DEVICES"):
