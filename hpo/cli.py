@@ -932,7 +932,7 @@ def _copy_folder(source: Path, target: Path, created: bool) -> None:
             with contextlib.suppress(OSError):
                 target.rmdir()
         line = f"--copy-to: cannot copy {source} to {target}: {_why(exc)}"
-        raise (FolderFull(f"{line} ({free_space(target.parent)})") if disk_full(exc) else InputError(line)) from None
+        raise (FolderFull(f"{line} ({free_space(target)})") if disk_full(exc) else InputError(line)) from None
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_env, write_scenario_file
+from conftest import Disk, cli_env, write_scenario_file
 
 from hpo.cli import describe_plan, main
 from hpo.launch import Slot
@@ -206,6 +206,18 @@ def test_a_copy_of_the_best_trial_that_fails_midway_leaves_nothing(study: Path, 
     assert main(["best", str(study), "--copy-to", str(target)]) == 0
     assert (target / "train.py").read_text().startswith("from hpo.results import report")
     assert sorted(p.name for p in target.parent.iterdir()) == ["copy"]
+
+
+def test_a_copy_of_the_best_trial_onto_a_full_disk_names_that_disk(study: Path, disk: Disk,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The room said was that of the disk above the target's folder (71 GiB free on /), not
+    of the full disk the copy went to."""
+    disk.fill()
+    target = disk.mount / "best"
+    assert main(["best", str(study), "--copy-to", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(f": No space left on device (0 bytes free on {disk.mount})\n"), err
+    assert sorted(p.name for p in disk.mount.iterdir()) == ["filler"]
 
 
 def test_a_copy_of_the_best_trial_is_made_though_stdout_is_closed(study: Path) -> None:
