@@ -808,7 +808,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     assert row is not None
     log = Path(row.folder or trial_folder(ctx.workdir, args.trial)) / LOG_FILE
     deadline = time.monotonic() + TAIL_WAIT_S
-    if not log.exists() and not row.outcome.ended:
+    if not log.exists() and not row.outcome.ended and args.follow:
         print(f"hpo: trial {args.trial} is {row.outcome.value}: following its log once it starts "
               f"(up to {TAIL_WAIT_S} s)", file=sys.stderr, flush=True)
     while not log.exists():
@@ -818,6 +818,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
         if elsewhere:
             raise InputError(f"trial {args.trial}: it runs on {elsewhere}, and its log {log} is not on this machine; "
                              f"run hpo tail there, or give the workdir a filesystem both share")
+        if not args.follow:
+            print(f"hpo: trial {args.trial} is {row.outcome.value}: it has no log yet", file=sys.stderr)
+            return EXIT_OK
         if time.monotonic() > deadline:
             raise InputError(f"trial {args.trial}: it has not started within {TAIL_WAIT_S} s "
                              "(is a sweep running?)")

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -360,6 +361,28 @@ def test_tail_of_a_trial_that_runs_on_another_machine_says_where(tmp_path: Path,
     assert tail.stderr.endswith(f"error: trial {claim.number}: it runs on gpu7, and its log {claim.folder / 'trial.log'} "
                                 "is not on this machine; run hpo tail there, or give the workdir a filesystem both "
                                 "share\n"), tail.stderr
+
+
+def test_tail_no_follow_of_a_trial_not_started_answers_at_once(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """hpo tail N --no-follow ('print what it holds now') of a claimed trial that has not
+    started waited 30 s to follow it, then called that bad input (exit 2)."""
+    from hpo import designs
+    from hpo.scenario import load_scenario
+    from hpo.scheduler import Claim, Scheduler
+    from hpo.store import StudyStore
+
+    path = write_scenario(tmp_path, search={"trials": 2})
+    scenario = load_scenario(path)
+    store = StudyStore(scenario, f"sqlite:///{tmp_path / 'runs' / 'demo' / 'study.db'}")
+    scheduler = Scheduler(store, designs.design_points(scenario), 2, tmp_path / "runs" / "demo", 1)
+    with store.lock():
+        claim = scheduler.claim(set())
+    assert isinstance(claim, Claim)
+    began = time.monotonic()
+    tail = run_hpo("tail", path, str(claim.number), "--no-follow")
+    assert time.monotonic() - began < 20
+    assert (tail.returncode, tail.stdout) == (0, ""), tail.stderr
+    assert re.fullmatch(rf"hpo: trial {claim.number} is [A-Z]+: it has no log yet\n", tail.stderr), tail.stderr
 
 
 def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> None:
