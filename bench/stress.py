@@ -42,7 +42,7 @@ def main() -> None:
             parameters:
               x: {{type: float, low: 0, high: 1}}
             search: {{method: monte_carlo, trials: {total}, seed: 7}}
-            resources: {{parallel: 1, gpus_per_trial: 1, timeout: 60}}
+            resources: {{parallel: {args.workers}, gpus_per_trial: 1, timeout: 60}}
             """))
         argv = [sys.executable, "-m", "hpo", "run", str(folder / "stress.yaml"), "--workers", str(args.workers)]
         if args.storage:

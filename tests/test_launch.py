@@ -270,8 +270,26 @@ def test_plan_slots_on_cpu(parallel: int, per_trial: int, cpus: int, threads: in
 
 @pytest.mark.parametrize(("workers", "cpus", "threads"), [(2, 2, 1), (4, 16, 4), (1, 8, 8)])
 def test_workers_share_the_machine(workers: int, cpus: int, threads: int) -> None:
-    slots = plan_slots(Resources(parallel=1), (), cpu_count=cpus, at_least=workers)
+    slots = plan_slots(Resources(), (), cpu_count=cpus, at_least=workers)  # parallel left out
     assert len(slots) == workers and all(slot.threads == threads for slot in slots)
+
+
+@pytest.mark.parametrize(("resources", "gpus", "error"), [
+    ({"parallel": 2}, (), ("--workers 4: resources.parallel is 2, and each worker runs at least one trial at a time; "
+                          "use --workers 2 or fewer, or raise resources.parallel")),
+    ({"parallel": 2, "gpus_per_trial": 1}, (0, 1, 2, 3), "--workers 4: resources.parallel is 2"),
+    ({}, (), ("--workers 4: hpo may run on 2 cores here, and each worker runs at least one trial at a time; use "
+             "--workers 2 or fewer, or set resources.parallel to the trials to run at once")),
+    ({"parallel": "auto"}, (), "--workers 4: hpo may run on 2 cores here"),
+])
+def test_workers_beyond_a_parallel_given_or_the_cores_are_refused(resources: dict[str, Any], gpus: tuple[int, ...],
+                                                                  error: str) -> None:
+    """hpo run --workers 4 ran 4 trials at once where the scenario said parallel: 2, and
+    --workers 1000 on 2 cores planned 1000 slots (and logs), without a word."""
+    with pytest.raises(InputError) as info:
+        plan_slots(Resources(**resources), gpus, cpu_count=2, at_least=4)
+    assert str(info.value).startswith(error), str(info.value)
+    assert len(plan_slots(Resources(parallel=4), (), cpu_count=2, at_least=4)) == 4  # asked for: as given
 
 
 def test_more_workers_than_cpus_get_a_slot_each_under_parallel_auto() -> None:

@@ -52,10 +52,11 @@ def _filling(disk: Disk, before: str = "", after: str = "", fills: str = FIRST_T
     return FILL.format(mount=disk.mount, before=before, after=after, fills=fills)
 
 
-def _scenario(folder: Path, write_scenario: WriteScenario, trials: int, template: str, store_retry: float = 60) -> Path:
+def _scenario(folder: Path, write_scenario: WriteScenario, trials: int, template: str, store_retry: float = 60,
+              parallel: int = 1) -> Path:
     return write_scenario(folder, template_text=template, drop=["parameters.opt"],
                           search={"trials": trials}, objective={"held_out": []},
-                          resources={"store_retry": store_retry})
+                          resources={"store_retry": store_retry, "parallel": parallel})
 
 
 def _start(*args: str | Path) -> subprocess.Popen[str]:
@@ -192,7 +193,7 @@ def test_worker_logs_that_a_full_disk_refuses_wait_for_room_and_every_worker_run
     'error: OSError: [Errno 28] No space left on device' (and a worker whose own log writes
     failed died, its log unable to say why). Now that is said in one line, the logs' lines wait
     for room, and the workers' notices (their trial folders wait for room) reach the screen."""
-    scenario = _scenario(tmp_path, write_scenario, 2, PLAIN)
+    scenario = _scenario(tmp_path, write_scenario, 2, PLAIN, parallel=2)
     workdir, store = disk.mount / "w", f"sqlite:///{tmp_path / 'study.db'}"
     disk.fill()
     run = _start(scenario, "--workdir", workdir, "--storage", store, "--workers", "2")
