@@ -85,7 +85,7 @@ def _note_left_out(ctx: Context) -> None:
     trial folders go without (:func:`hpo.render.left_out_links`)."""
     from hpo.render import left_out_links
 
-    for line in left_out_links(ctx.scenario.template):
+    for line in left_out_links(ctx.scenario.template, ctx.workdir):
         print(f"note: {line}", flush=True)
 
 
@@ -98,13 +98,12 @@ def _check_submit(ctx: Context) -> None:
         check_submit(cluster)
 
 
-WORKDIR_OWNER = ".hpo-study"
-
-
 def _workdir_mark(ctx: Context) -> tuple[str, str] | None:
     """What marks the workdir as a study's: its name and, once known, its ``created`` id
     (:data:`hpo.store.STUDY_CREATED`, '' before); None where no study marked it (an empty
     marker, which a full disk left before markers were written whole, marks none)."""
+    from hpo.render import WORKDIR_OWNER
+
     try:
         lines = (ctx.workdir / WORKDIR_OWNER).read_text().splitlines()
     except (FileNotFoundError, NotADirectoryError):
@@ -168,6 +167,7 @@ def _claim_workdir(ctx: Context, flag: str, created: str | None = None) -> None:
     disk the workdir stays unmarked until a later command finds room: what the command writes
     next (the store, a trial's files) waits for room and says so."""
     from hpo.files import replacing
+    from hpo.render import WORKDIR_OWNER
     from hpo.storage import disk_full
 
     mark = _workdir_owner(ctx, flag)
@@ -967,7 +967,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     budget = designs.total_trials(scenario)
     cluster = scenario.resources.cluster
     where = describe_plan(_plan(ctx), parallel=_asked(ctx, args)) if cluster is None else "trials on a Dask cluster"
-    preflight(Renderer(scenario), ctx.workdir, points)
+    preflight(Renderer(scenario, ctx.workdir), ctx.workdir, points)
     reach(ctx.storage, create=False)
     _quiet_optuna()
     created = check_resume(scenario, ctx.storage, allow_space_change=args.allow_space_change)
@@ -1001,7 +1001,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     from hpo.render import Renderer
 
     ctx = _writing_context(args, existing_study=True)
-    if args.seed is not None and not Renderer(ctx.scenario).sees_trial_seed:  # a script may read params.json
+    if args.seed is not None and not Renderer(ctx.scenario, ctx.workdir).sees_trial_seed:  # a script may read params.json
         print("note: --seed reaches the trial only through params.json: no template reads trial_seed and the "
               "scenario sets no seed_flag (seed_flag: --seed passes it to a script that takes --seed)", flush=True)
     slots = _plan(ctx, parallel=1)

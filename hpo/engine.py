@@ -274,7 +274,7 @@ class Sweep:
         self.config = config
         scenario = config.scenario
         self._scenario = scenario
-        self._renderer = Renderer(scenario)
+        self._renderer = Renderer(scenario, config.workdir)
         self._design = designs.design_points(scenario)
         self.store = StudyStore(scenario, config.storage, pruner=make_pruner(scenario), on_outage=self._say,
                                 reached=config.store_reached)

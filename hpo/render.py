@@ -217,14 +217,25 @@ def _link_target(link: Path) -> Path | None:
     return target
 
 
-def _folder_paths(template: Path) -> list[Path]:
-    """Every path below the template folder ``template``, sorted, ``__pycache__`` left out; a
-    linked folder is listed, and not entered."""
-    return [path for path in sorted(template.rglob("*"))  # rglob lists a linked folder, and does not enter it
-            if "__pycache__" not in path.relative_to(template).parts]
+WORKDIR_OWNER = ".hpo-study"
+"""The file that marks a workdir as a study's (the commands write it: :mod:`hpo.cli`)."""
 
 
-def left_out_links(templates: Sequence[Path]) -> list[str]:
+def _folder_paths(template: Path, workdir: Path | None = None) -> list[Path]:
+    """Every path below the template folder ``template``, sorted, ``__pycache__`` left out, and
+    so are ``workdir`` and any other study's workdir (a folder holding :data:`WORKDIR_OWNER`):
+    with ``template: .`` the default workdir ``runs/<name>`` lies inside it, and each trial
+    folder took a copy of the study's store and of every earlier trial. A linked folder is
+    listed, and not entered."""
+    paths = sorted(template.rglob("*"))  # rglob lists a linked folder, and does not enter it
+    studies = {path.parent for path in paths if path.name == WORKDIR_OWNER and not path.is_symlink()}
+    if workdir is not None:
+        studies.add(Path(os.path.abspath(workdir)))
+    return [path for path in paths if "__pycache__" not in path.relative_to(template).parts
+            and not any(Path(os.path.abspath(path)).is_relative_to(study) for study in studies)]
+
+
+def left_out_links(templates: Sequence[Path], workdir: Path | None = None) -> list[str]:
     """One line for each link of a template folder that leads nowhere, and is so left out of
     the trial folders (``template: proj/data links to /datasets/x, which does not exist; left
     out of the trial folders``); an editor's lock file (``.#train.py``, a link that leads
@@ -233,7 +244,7 @@ def left_out_links(templates: Sequence[Path]) -> list[str]:
     for template in templates:
         if not template.is_dir():
             continue
-        for path in _folder_paths(template):
+        for path in _folder_paths(template, workdir):
             why = _leads_nowhere(path) if path.is_symlink() and not path.name.startswith(".#") else None
             if why is not None:
                 lines.append(f"template: {path.relative_to(template.parent).as_posix()} {why}; "
@@ -241,16 +252,16 @@ def left_out_links(templates: Sequence[Path]) -> list[str]:
     return lines
 
 
-def _entries(templates: Sequence[Path]) -> list[tuple[Path, str, bool, Path]]:
+def _entries(templates: Sequence[Path], workdir: Path | None) -> list[tuple[Path, str, bool, Path]]:
     """Each file a trial folder gets from ``templates``: (source, name in the folder, rendered
     or copied, the template folder it is in). A folder brings every file below it under its own
     name (:func:`_folder_paths`); a link to a folder below it comes as that folder (the source),
     which the trial folder links (:func:`_link_target`); a link that leads nowhere is left out
-    (:func:`left_out_links` says so)."""
+    (:func:`left_out_links` says so), and so are the studies' workdirs in it."""
     out = []
     for template in templates:
         if template.is_dir():
-            for path in _folder_paths(template):
+            for path in _folder_paths(template, workdir):
                 linked = _link_target(path) if path.is_symlink() else None
                 if linked is not None and linked.is_dir():
                     out.append((linked, path.relative_to(template.parent).as_posix(), False, template))
@@ -394,15 +405,17 @@ class Renderer:
     Construction raises :class:`InputError` for a missing template, a syntax error, a
     ``data_dir`` that is not a folder or is empty, a command that names a template by a path the trial
     folder does not hold it under, or a placeholder in the command or ``env`` (:func:`_check_unrendered`).
+    A template folder's files leave out ``workdir`` (the trial folders' folder) and any other
+    study's workdir in it.
     """
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, workdir: Path | None = None) -> None:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
         self._links: dict[str, Path] = {}  # a trial folder's links to folders, by name: what each holds
         _check_data_dir(scenario)
         _check_unrendered(scenario)
-        entries = _entries(scenario.template)
+        entries = _entries(scenario.template, workdir)
         names: set[str] = set()
         for template, name, rendered, folder in entries:
             if name in names or name in RESERVED_FILES:

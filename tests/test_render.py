@@ -225,6 +225,26 @@ def test_a_folder_brings_its_files_under_its_name(tmp_path: Path, write_scenario
     assert not (folder / "models" / "__pycache__").exists()
 
 
+def test_a_template_folder_leaves_out_the_workdirs_in_it(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """``template: .``: the default workdir runs/<name> lies in the template folder, and each
+    trial folder took a copy of study.db and, on a resume, of every earlier trial folder (7
+    trivial trials grew to 3.8 MB each). That workdir, and any other study's workdir there,
+    are left out."""
+    path = write_scenario(tmp_path / "proj", template=".", command="python proj/train.py", search={"trials": 2})
+    other = tmp_path / "proj" / "old-runs"
+    other.mkdir()
+    (other / ".hpo-study").write_text("older\n")
+    (other / "model.pt").write_bytes(b"\0" * 100)
+    assert main(["run", str(path)]) == 0
+    assert main(["run", str(path)]) == 0  # resumed, the study in the workdir now
+    workdir = tmp_path / "proj" / "runs" / "demo"
+    renderer = Renderer(load_scenario(path), workdir)
+    assert sorted(renderer.names) == ["proj/scenario.yaml", "proj/train.py"]
+    for trial in workdir.glob("trial-*"):
+        copied = {p.relative_to(trial).as_posix() for p in trial.rglob("*")}
+        assert not [name for name in copied if "runs" in name or "study.db" in name], copied
+
+
 @pytest.mark.parametrize(
     ("data_dir", "problem"),
     [
