@@ -376,8 +376,9 @@ def _check_template_paths(scenario: Scenario, entries: Sequence[tuple[Path, str,
 
 
 def trial_seed(seed: int, number: int) -> int:
-    """The per-trial seed that templates see as ``trial_seed``: the study's seed plus the
-    trial number (so trials differ and a study repeats), kept in [0, 2**31)."""
+    """The per-trial seed that templates see as ``trial_seed``: the study's seed plus
+    ``number`` (the trial's place among the study's new configurations: :mod:`hpo.scheduler`;
+    by default its trial number), so trials differ and a study repeats, kept in [0, 2**31)."""
     return (seed + number) % 2**31
 
 

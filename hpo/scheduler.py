@@ -9,8 +9,9 @@ before anything new while the budget has room; once it is spent (``search.trials
 below what ran and was queued), they stay WAITING, unrun, until it is raised. A queued copy
 of a rerun uses no budget: the next ``hpo run`` or ``hpo rerun`` of the same trial claims
 it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A configuration
-queued again because it was LOST or INTERRUPTED runs with the ``trial_seed`` it had, so that a
-sweep that had crashes repeats one that had none; a retry of a failure gets its own. A rerun that
+queued again because it was LOST or INTERRUPTED runs with the ``trial_seed`` it had, and a new
+configuration, or a retry of a failure, gets the study's seed plus the number of such trials
+before it (:func:`_place`), so that a sweep that had crashes repeats one that had none. A rerun that
 fails is a finding, not retried (``search.retry_failed`` is for the sweep's trials). A design's next
 point is its first point that no trial covers yet, so every point runs exactly once
 whatever crashed in between.
@@ -190,23 +191,20 @@ class Scheduler:
                 trial_folder(self._workdir, trial.number))
             return self.claim(mine)
         row = by_number.get(trial.number)
-        if row is None:
-            return self._claimed(trial, None)
-        if row.rerun_of is not None:
+        if row is not None and row.rerun_of is not None:
             source = row.number if row.requeue_of is None else row.requeue_of
             return self._claimed(trial, self._recorded_seed(trials, source, row.rerun_of), prunable=False,
                                  repeats=repeat_of(row))
-        again = row.requeue_of is not None and row.retry_of is None  # no fault of its own: run as it would have
-        return self._claimed(trial, self._recorded_seed(trials, row.requeue_of, None) if again else None,
-                             repeats=repeat_of(row))
+        repeats = None if row is None else repeat_of(row)
+        if row is not None and row.requeue_of is not None and row.retry_of is None:  # no fault of its own
+            return self._claimed(trial, self._recorded_seed(trials, row.requeue_of, None), repeats=repeats)
+        return self._claimed(trial, trial_seed(store.scenario.search.seed, _place(rows, trial.number)), repeats=repeats)
 
-    def _claimed(self, trial: optuna.Trial, seed: int | None, prunable: bool = True,
+    def _claimed(self, trial: optuna.Trial, seed: int, prunable: bool = True,
                  repeats: int | None = None) -> Claim:
         store = self.store
         params = store.call(space.suggest, trial, store.scenario.parameters)
         token = f"{store.scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
-        if seed is None:
-            seed = trial_seed(store.scenario.search.seed, trial.number)
         store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
                                                  "seed": self._seed, "trial_seed": seed, "claimed_at": time.time()})
         fault_point("claim", trial.number)
@@ -323,3 +321,11 @@ class Scheduler:
     def release(self, claim: Claim) -> None:
         """Put a claimed trial that never started back in the queue (the sweep is stopping)."""
         self.store.back_to_waiting(claim.number)
+
+
+def _place(rows: list[TrialRow], number: int) -> int:
+    """How many of ``rows`` before trial ``number`` are tries of their own (new configurations
+    and retries of failures), leaving out copies queued again for no fault of their own and
+    reruns: the same in a sweep that had crashes as in one that had none."""
+    return sum(1 for r in rows if r.number < number and r.rerun_of is None
+               and (r.requeue_of is None or r.retry_of is not None))

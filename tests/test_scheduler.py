@@ -190,7 +190,7 @@ def test_a_configuration_run_again_for_no_fault_of_its_own_keeps_its_trial_seed(
                                                                                  write_scenario: WriteScenario) -> None:
     """Queued again, a configuration ran with its new trial number's seed: a sweep that had a
     crash did not repeat one that had none. Lost or interrupted, and lost again, it keeps the
-    seed it first had; a retry of a failure gets its own."""
+    seed it first had; a retry of a failure gets its own, as in a sweep that had none (trial 1, seed 3 + 1)."""
     scheduler = make(tmp_path, write_scenario, trials=2, retry_failed=1)
     first = claim(scheduler)
     scheduler.settle(first, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
@@ -200,7 +200,29 @@ def test_a_configuration_run_again_for_no_fault_of_its_own_keeps_its_trial_seed(
     assert (first.seed, again.seed, third.seed) == (3, 3, 3) and third.params == first.params
     scheduler.settle(third, TrialResult(Outcome.FAIL, reason="exit code 1"))
     retry = claim(scheduler)
-    assert retry.params == first.params and retry.seed == 3 + retry.number
+    assert retry.params == first.params and retry.seed == 4  # as the retry of trial 0 in a sweep without crashes
+
+
+def test_a_sweep_that_had_crashes_gives_each_configuration_the_seed_it_has_without(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Each later design point shifted one trial number after an interruption, and
+    trial_seed (seed + trial number) with it: the same configurations ran with other seeds."""
+    def seeds(folder: Path, crash: bool) -> list[tuple[float, int]]:
+        scheduler = make(folder, write_scenario, trials=3)
+        ran = []
+        while True:
+            with scheduler.store.lock():
+                found = scheduler.claim(set())
+            if found is None:
+                return sorted(ran, key=lambda pair: pair[1])
+            assert isinstance(found, Claim)
+            if crash and found.number == 0:
+                scheduler.settle(found, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+                continue
+            complete(scheduler, found)
+            ran.append((found.params["x"], found.seed))
+
+    assert seeds(tmp_path / "crashed", crash=True) == seeds(tmp_path / "calm", crash=False)
 
 
 @pytest.mark.parametrize("retry_failed", [0, 2])
