@@ -1254,6 +1254,8 @@ EMPTY_REFUSED = {  # an option's dest: its flag, and what to give instead of an 
     "workdir": ("--workdir", "give a folder, or leave --workdir out for runs/<name> beside the scenario"),
     "output": ("-o", "give a path, or leave -o out"),
     "copy_to": ("--copy-to", "give a folder to copy the best trial's folder to"),
+    "host": ("--host", "give an address to listen on, e.g. 127.0.0.1, or leave --host out for it"),
+    "gpus": ("--gpus", "give GPU ids, e.g. 0,1, or leave --gpus out for this machine's"),
 }
 
 

@@ -294,10 +294,14 @@ def _append_whole(path: Path, data: bytes) -> None:
 _MYSQL_PACKAGES = {"pymysql": "pymysql", "mysqlconnector": "mysql-connector-python", "mariadbconnector": "mariadb"}
 
 
+_PG_PACKAGES = {"psycopg2": "psycopg2-binary"}  # a PostgreSQL driver's module: the package to install it with
+
+
 def _missing_driver(url: str, exc: ImportError) -> InputError:
     """The InputError for a server URL whose driver module ``exc.name`` is missing, with what
     to install: for MySQL the driver's package (``mysql://`` and ``mysql+mysqldb://``, whose
-    mysqlclient needs a compiler: PyMySQL, with the URL that uses it), else hpo's PostgreSQL extra.
+    mysqlclient needs a compiler: PyMySQL, with the URL that uses it), else hpo's PostgreSQL extra
+    (psycopg 3; for another driver, such as psycopg2, the URL that uses psycopg 3 or that driver).
     Optuna raises its own ImportError from SQLAlchemy's, which names the module."""
     scheme = url.split(":", 1)[0]
     module = exc.name or getattr(exc.__cause__, "name", None)
@@ -306,8 +310,11 @@ def _missing_driver(url: str, exc: ImportError) -> InputError:
         package = _MYSQL_PACKAGES.get(driver)
         hint = f"pip install {package}" if package else \
             f"pip install pymysql and use {redact('mysql+pymysql' + url[len(scheme):])}"
-    else:
+    elif driver in ("", "psycopg"):
         hint = "pip install 'hpo[postgres]' for PostgreSQL"
+    else:  # another driver than hpo's extra installs (psycopg 3): use that one, or install this one
+        hint = (f"use {redact('postgresql' + url[len(scheme):])} with pip install 'hpo[postgres]', "
+                f"or pip install {_PG_PACKAGES.get(module or driver, module or driver)}")
     return InputError(f"--storage: the driver for {scheme} is not installed{f' ({module})' if module else ''}; {hint}")
 
 

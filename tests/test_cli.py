@@ -126,10 +126,15 @@ WORKDIR_HINT = "--workdir: empty; give a folder, or leave --workdir out for runs
     (("export", "-o", ""), "-o: empty; give a path, or leave -o out"),
     (("plot", "--output", ""), "-o: empty; give a path, or leave -o out"),
     (("best", "--copy-to", ""), "--copy-to: empty; give a folder to copy the best trial's folder to"),
-], ids=["run-storage", "worker-storage", "run-workdir", "status-workdir", "export-o", "plot-o", "best-copy-to"])
+    (("dashboard", "--host", ""), ("--host: empty; give an address to listen on, e.g. 127.0.0.1, or leave --host out "
+                                  "for it")),
+    (("worker", "--gpus", ""), "--gpus: empty; give GPU ids, e.g. 0,1, or leave --gpus out for this machine's"),
+], ids=["run-storage", "worker-storage", "run-workdir", "status-workdir", "export-o", "plot-o", "best-copy-to",
+        "dashboard-host", "worker-gpus"])
 def test_an_empty_path_or_url_is_refused_not_taken_for_no_option(args: tuple[str, ...], said: str, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """``--storage "$DB"`` with DB unset ran the sweep into the default store."""
+    """``--storage "$DB"`` with DB unset ran the sweep into the default store; ``--host "$HOST"``
+    served the dashboard on every interface, ``--gpus "$GPUS"`` ran a GPU worker on the CPU."""
     scenario = write_scenario_file(tmp_path)
     assert main([args[0], str(scenario), *args[1:]]) == 2
     assert capsys.readouterr() == ("", f"error: {said}\n")

@@ -309,12 +309,14 @@ def test_unknown_schemes_are_bad_input_naming_the_flag(url: str) -> None:
     ("mysql://u:p@127.0.0.1/db", "MySQLdb", "pip install pymysql and use mysql+pymysql://u:***@127.0.0.1/db"),
     ("mysql+pymysql://u@127.0.0.1/db", "pymysql", "pip install pymysql"),
     ("mysql+mysqlconnector://u@127.0.0.1/db", "mysql", "pip install mysql-connector-python"),
-    ("postgresql+psycopg2://u@127.0.0.1/db", "psycopg2", "pip install 'hpo[postgres]' for PostgreSQL"),
+    ("postgresql+psycopg2://u@127.0.0.1/db", "psycopg2", ("use postgresql://u@127.0.0.1/db with pip install "
+                                                         "'hpo[postgres]', or pip install psycopg2-binary")),
 ])
 @pytest.mark.parametrize("opened", [reach, open_storage], ids=["reach", "open"])
 def test_a_missing_driver_says_what_to_install_for_its_database(url: str, module: str, hint: str,
                                                                 opened: Callable[[str], Any]) -> None:
-    """A MySQL URL was told to pip install 'hpo[postgres]' for PostgreSQL."""
+    """A MySQL URL was told to pip install 'hpo[postgres]' for PostgreSQL, and so was a
+    psycopg2 URL, whose driver that extra does not install (it installs psycopg 3)."""
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
     with pytest.raises(InputError) as raised:
