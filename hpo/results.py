@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
 import os
 import re
 import sys
@@ -79,8 +81,9 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     values. Only the process of global rank 0 prints, so DDP scripts may call it on every
     rank. Values must be numbers. The line is written in one call (a pipe takes up to 4 KiB
     in one piece, so other processes' output sharing it cannot land inside the line) and
-    flushed at once so the sweep sees it live.
-    A step that is not a whole number is printed as it is, and the parser refuses the line.
+    flushed at once so the sweep sees it live. A step that is not a whole number from 0 to
+    :data:`LARGEST_STEP`, a value that is not a number, or no metric at all raise ValueError
+    (TypeError for a value of a type that is no number) at once, naming what is wrong.
 
     Args:
         step: the step (epoch) of an intermediate report, a whole number from 0 to
@@ -88,16 +91,22 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
         file: where to print (default: stdout).
         metrics: the metric values by name.
     """
-    if not _rank_zero():
-        return
+    if not metrics:
+        raise ValueError("report(): give at least one metric, e.g. report(val_error=0.1)")
     payload: dict[str, float | int] = {}
     if step is not None:
-        payload[STEP_KEY] = int(step) if float(step).is_integer() else float(step)
+        whole = isinstance(step, numbers.Real) and not isinstance(step, bool) and math.isfinite(step) \
+            and float(step).is_integer() and 0 <= int(step) <= LARGEST_STEP
+        if not whole:
+            raise ValueError(f"report(): step is {step!r}, not a whole number from 0 to {LARGEST_STEP}")
+        payload[STEP_KEY] = int(step)
     for name, value in metrics.items():
         try:
             payload[name] = float(value)
         except (TypeError, ValueError) as exc:  # the class float() raised, with the metric's name
             raise type(exc)(f"report(): {name} is {value!r}, not a number") from None
+    if not _rank_zero():
+        return
     out = file or sys.stdout
     out.write(json.dumps(payload) + "\n")
     out.flush()
@@ -109,7 +118,7 @@ def _rank_zero() -> bool:
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         return bool(distributed.get_rank() == 0)
-    return os.environ.get("RANK", "0") == "0"
+    return (os.environ.get("RANK") or "0") == "0"
 
 
 @dataclass(frozen=True)

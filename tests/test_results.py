@@ -1029,11 +1029,27 @@ def test_a_step_pattern_match_that_is_not_a_whole_number_is_refused_and_leaves_n
     assert metrics.final == {"loss": 0.3}
 
 
-def test_report_prints_a_step_as_given() -> None:
+def test_report_prints_a_whole_step_and_refuses_another_at_once() -> None:
+    """report(step=1.5) and report(step=-1) printed lines that the parser refused later, as a
+    note in trial.log, where a value that is not a number raised at once; report() printed {}."""
     out = io.StringIO()
     report(step=2.0, file=out, val_error=0.5)
-    report(step=1.5, file=out, val_error=0.4)
-    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}', '{"step": 1.5, "val_error": 0.4}']
+    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}']
+    for step in (1.5, -1, 2**31, "2", float("nan")):
+        with pytest.raises(ValueError, match=rf"^report\(\): step is {re.escape(repr(step))}, not a whole number "
+                                             r"from 0 to 2147483647$"):
+            report(step=step, file=out, val_error=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^report\(\): give at least one metric"):
+        report(step=1, file=out)
+    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}']
+
+
+def test_report_prints_where_rank_is_set_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK='' (set, empty) read as another rank than 0: nothing was reported."""
+    monkeypatch.setenv("RANK", "")
+    out = io.StringIO()
+    report(file=out, val_error=0.5)
+    assert out.getvalue() == '{"val_error": 0.5}\n'
 
 
 # line -> the line as the reason quotes it: the objective named with a value in a form hpo does not read
