@@ -58,7 +58,8 @@ def _context(args: argparse.Namespace) -> Context:
     given = _given_cluster(args)
     if given is not None:  # --cluster stands for resources.cluster (a data_dir is then on the cluster's machines)
         scenario = scenario.model_copy(update={"resources": scenario.resources.model_copy(update={"cluster": given})})
-    workdir = _new_folder(Path(args.workdir).resolve(), "--workdir") if args.workdir else scenario.default_workdir()
+    workdir = _new_folder(Path(args.workdir).expanduser().resolve(), "--workdir") if args.workdir \
+        else scenario.default_workdir()
     storage = storage_url(scenario, args.storage, workdir)
     check_url(storage)
     return Context(scenario, workdir, storage)

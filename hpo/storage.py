@@ -60,8 +60,13 @@ class LockLost(Exception):
 
 def storage_url(scenario: Any, override: str | None = None, workdir: Path | None = None) -> str:
     """The study's storage URL: ``--storage``, the scenario's ``storage``, or SQLite in the
-    workdir. ``postgres://`` (Heroku's and libpq's spelling) is read as ``postgresql://``."""
+    workdir. ``postgres://`` (Heroku's and libpq's spelling) is read as ``postgresql://``, and a
+    file's path that starts with ``~`` (``--storage=sqlite:///~/x.db``: no shell expands it
+    there) from the home folder."""
     url = override or scenario.storage or f"sqlite:///{(workdir or scenario.default_workdir()) / 'study.db'}"
+    for prefix in ("sqlite:///", "journal:"):  # a file's path from the home folder, which no shell expanded
+        if url.startswith(prefix) and url[len(prefix):].startswith("~"):
+            return prefix + os.path.expanduser(url[len(prefix):])
     return "postgresql://" + url[len("postgres://"):] if url.startswith("postgres://") else url
 
 

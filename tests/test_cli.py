@@ -141,6 +141,21 @@ def test_an_empty_path_or_url_is_refused_not_taken_for_no_option(args: tuple[str
     assert sorted(path.name for path in tmp_path.iterdir()) == ["scenario.yaml", "train.py.j2"]
 
 
+def test_a_workdir_or_store_path_from_home_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workdir=~/wd`` (no shell expands ~ after =) made a folder named ~ in the current one."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    scenario = write_scenario_file(tmp_path / "s", search={"trials": 1})
+    for storage, workdir in (("sqlite:///~/x.db", "~/wd"), ("journal:~/x.journal", "~/wd2")):
+        assert main(["run", str(scenario), f"--workdir={workdir}", f"--storage={storage}"]) == 0
+    capsys.readouterr()
+    assert {"wd", "wd2", "x.db", "x.journal"} <= {p.name for p in home.iterdir()}
+    assert not (tmp_path / "~").exists()
+
+
 def test_shipped_scenarios_validate() -> None:
     for path in sorted(SCENARIOS.glob("*.yaml")):
         if path.read_text().find("data_dir") >= 0:
