@@ -286,6 +286,8 @@ def check_command(command: Sequence[str], files: Sequence[str], field: str = "co
     if script and not _exists(script, files):
         close = difflib.get_close_matches(script, list(files), n=1)
         hint = f" (did you mean {close[0]}?)" if close else f" (the trial folder holds {', '.join(files) or 'no file'})"
+        if os.path.normpath(script).startswith(".."):
+            hint = "; a script outside the trial folder is given by its absolute path (trials run in their own folders)"
         raise InputError(f"{field}: {script} is neither a file of the trial folder nor an existing path{hint}")
 
 

@@ -167,6 +167,8 @@ def test_a_parameter_with_its_own_flag_is_passed_without_flags_true() -> None:
     (["helper.sh"], "command: helper.sh is not on PATH; write ./helper.sh to run the trial folder's file"),
     (["./missing.sh"], "command: program ./missing.sh is neither a file of the trial folder nor an existing path"),
     (["sub/run.sh"], None),
+    (["python", "../../outside.py"], ("command: ../../outside.py is neither a file of the trial folder nor an existing "
+                                      "path; a script outside the trial folder is given by its absolute path")),
 ])
 def test_check_command(command: list[str], problem: str | None) -> None:
     if problem is None:
