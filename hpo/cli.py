@@ -190,7 +190,7 @@ def _store(ctx: Context) -> Any:
     from hpo.store import StudyStore
 
     _quiet_optuna()
-    return StudyStore(ctx.scenario, ctx.storage, create=False)
+    return StudyStore(ctx.scenario, ctx.storage, create=False, reader=True)
 
 
 def _snapshot(ctx: Context) -> list[Any]:
@@ -1322,8 +1322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except StoreUnavailable as exc:
-        print(f"error: {exc}; results of finished trials are kept in their folders and recorded on resume",
-              file=sys.stderr)
+        kept = "; results of finished trials are kept in their folders and recorded on resume" \
+            if args.handler in (cmd_run, cmd_worker, cmd_rerun) else ""
+        print(f"error: {exc}{kept}", file=sys.stderr)
         return EXIT_ERROR
     except ExecutorUnavailable as exc:
         print(f"error: {exc}; run the same command to resume (trials that were running were recorded "

@@ -664,10 +664,14 @@ class Retrying:
         before_attempt: called before each attempt, the first included; what it raises ends
             the call (e.g. :class:`LockLost`, when what the call is part of must start again:
             a lost lock need not make any call fail, as a pool reconnects unseen).
+        full_disk_waits: whether a full disk is waited out; where not (a command that reads,
+            such as ``hpo status``: its SQLite store, which no sweep holds open, needs room for
+            its shared-memory file), it is :class:`StoreUnavailable` at once.
     """
 
     def __init__(self, url: str, deadline_s: float, on_outage: Callable[[str], None] | None = None,
-                 before_attempt: Callable[[], None] = lambda: None) -> None:
+                 before_attempt: Callable[[], None] = lambda: None, full_disk_waits: bool = True) -> None:
+        self._full_disk_waits = full_disk_waits
         self._url = redact(url)
         self._path = local_path(url)
         self._deadline_s = deadline_s
@@ -726,6 +730,9 @@ class Retrying:
                 except Exception as exc:
                     if not (isinstance(exc, self._errors) or disk_full(exc)):
                         raise
+                    if disk_full(exc) and not self._full_disk_waits:
+                        raise StoreUnavailable(f"the store {self._url} cannot be opened here: {_root_cause(exc)[:200]} "
+                                               f"({free_space(self._path)}); free space there") from None
                     if not failed:
                         failed = True
                         with self._lock:

@@ -155,15 +155,19 @@ class StudyStore:
             the ask lock is long in coming (:func:`hpo.storage.ask_lock`).
         reached: the store has answered this sweep before (a worker that ``hpo run --workers``
             started), so its first contact is skipped: a refused connection is an outage.
+        reader: for a command that reads the study (``hpo status``): a full disk is not waited
+            out (:class:`hpo.storage.Retrying`), as no sweep's outage of it ends by waiting.
     """
 
     def __init__(self, scenario: Scenario, url: str, *, create: bool = True,
                  pruner: optuna.pruners.BasePruner | None = None,
-                 on_outage: Callable[[str], None] | None = None, reached: bool = False) -> None:
+                 on_outage: Callable[[str], None] | None = None, reached: bool = False,
+                 reader: bool = False) -> None:
         self.scenario = scenario
         self.url = url
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
-        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock)
+        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock,
+                             full_disk_waits=not reader)
         self._holder: _Holder | None = None
         self._lock_scope = ""  # the whole store's lock while its tables may be made, then the study's
         self._ids: dict[int, int] = {}

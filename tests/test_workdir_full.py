@@ -212,6 +212,25 @@ def test_worker_logs_that_a_full_disk_refuses_wait_for_room_and_every_worker_run
     assert "hpo: cannot write " in "".join(logs), logs
 
 
+def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: Path,
+                                                          write_scenario: WriteScenario) -> None:
+    """hpo status and hpo export of an SQLite store on a full disk, which no sweep holds open,
+    said the store 'cannot be written', retried for store_retry (300 s) and exited 1: opening
+    it needs room for SQLite's shared-memory file, which no waiting makes."""
+    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
+    store = f"sqlite:///{disk.mount / 'study.db'}"
+    assert run_hpo("run", scenario, "--storage", store).returncode == 0
+    for cache in disk.mount.glob("*.hpo-rows.json"):  # hpo status would answer from it, the store unopened
+        cache.unlink()
+    disk.fill()
+    for command in ("status", "export"):
+        began = time.monotonic()
+        read = run_hpo(command, scenario, "--storage", store)
+        assert time.monotonic() - began < 30 and read.returncode == 1, read.stderr
+        assert re.fullmatch(rf"error: the store {re.escape(store)} cannot be opened here: .* \(0 bytes free on "
+                            rf"{disk.mount}\); free space there\n", read.stderr), read.stderr
+
+
 def test_an_empty_workdir_marker_left_by_a_full_disk_marks_no_study(tmp_path: Path,
                                                                       write_scenario: WriteScenario) -> None:
     """Markers were once written in place: a full disk left an empty one, and the workdir was
