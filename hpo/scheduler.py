@@ -158,13 +158,16 @@ class Scheduler:
     def claim(self, mine: Container[int]) -> Claim | str | None:
         """The next trial for a slot; :data:`WAIT` while only other workers' running trials
         stand between the study and its budget (they may need a re-run); None when done.
-        Queued trials come first: any while the budget has room, else only queued reruns.
+        Queued trials come first, in the order of the trials they stand for (a copy queued
+        again goes where its first trial went: a design's interrupted points before its later
+        ones): any while the budget has room, else only queued reruns.
         Call under the ask lock; ``mine`` are this worker's running trials."""
         store = self.store
         trials = store.trials()
         rows = store.rows(trials)
         by_number = {r.number: r for r in rows}
-        queued = sorted(t.number for t in trials if t.state == TrialState.WAITING)
+        queued = sorted((t.number for t in trials if t.state == TrialState.WAITING),
+                        key=lambda number: (_origin(by_number, number), number))
         room = budget_used(rows, queued) < self.budget
         runnable = [n for n in queued if room or by_number[n].rerun_of is not None]
         if runnable:
@@ -329,3 +332,13 @@ def _place(rows: list[TrialRow], number: int) -> int:
     reruns: the same in a sweep that had crashes as in one that had none."""
     return sum(1 for r in rows if r.number < number and r.rerun_of is None
                and (r.requeue_of is None or r.retry_of is not None))
+
+
+def _origin(by_number: dict[int, TrialRow], number: int) -> int:
+    """The trial that trial ``number`` stands for: back through the copies queued again
+    (``requeue_of``) to the first."""
+    row = by_number.get(number)
+    while row is not None and row.requeue_of is not None and row.requeue_of in by_number:
+        number = row.requeue_of
+        row = by_number[number]
+    return number

@@ -225,6 +225,20 @@ def test_a_sweep_that_had_crashes_gives_each_configuration_the_seed_it_has_witho
     assert seeds(tmp_path / "crashed", crash=True) == seeds(tmp_path / "calm", crash=False)
 
 
+def test_interrupted_design_points_run_again_before_later_ones(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """After a Ctrl-C, the copies of the interrupted points 0 and 1 queued behind point 2,
+    claimed ahead for the next slot and put back: a lowered budget, or a CSV design's 'first
+    rows first', ran point 2 before them."""
+    scheduler = make(tmp_path, write_scenario, trials=4)
+    first, second, ahead = claim(scheduler), claim(scheduler), claim(scheduler)
+    for c in (first, second):
+        scheduler.settle(c, TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    scheduler.release(ahead)
+    order = [claim(scheduler) for _ in range(3)]
+    assert [c.params for c in order] == [first.params, second.params, ahead.params]
+    assert [c.seed for c in order] == [first.seed, second.seed, ahead.seed]
+
+
 @pytest.mark.parametrize("retry_failed", [0, 2])
 def test_interrupted_and_lost_do_not_use_retries(tmp_path: Path, write_scenario: WriteScenario,
                                                  retry_failed: int) -> None:
