@@ -362,7 +362,8 @@ def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
     buffers, so that each ``print`` is one write and DDP ranks' lines do not interleave),
     then hpo's values. ``base``'s own :func:`distributed` variables are left out: they describe the
     job hpo runs in (a torchrun or Kubeflow launch), not the trial, whose rank 1 printed nothing
-    and whose world of 2 waited for a peer until its timeout; ``extra`` may set them."""
+    and whose world of 2 waited for a peer until its timeout (``extra``, the scenario's ``env``,
+    may not set them: :mod:`hpo.scenario`)."""
     inherited = {name: value for name, value in (os.environ if base is None else base).items()
                  if not distributed(name)}
     env = {**inherited, "OMP_NUM_THREADS": str(slot.threads), "PYTHONUNBUFFERED": "1", **extra}

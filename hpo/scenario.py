@@ -3,8 +3,9 @@
 :func:`load_scenario` is the only way in. It reads the file as UTF-8 (whatever the locale)
 and returns a :class:`Scenario` whose paths are absolute (resolved against the scenario
 file's folder) or raises :class:`InputError` with one line naming the field path (or the
-file and line) and what is wrong. Unknown keys, and keys given twice in one mapping, are
-errors.
+file and line) and what is wrong. Unknown keys, keys given twice in one mapping, and an alias
+inside the node it names are errors. Plain values inside ``parameters`` are read as YAML 1.2
+reads them, elsewhere as YAML 1.1 (:class:`UniqueKeyLoader`).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class Param(_Frozen):
             if twins:
                 a, b = twins[0]
                 if repr(a) == repr(b):
-                    raise ValueError("choices: values must be unique")
+                    raise ValueError(f"choices: {_shown(a)} is listed twice, as YAML reads the values (1e-3 and 0.001, "
+                                     "0x10 and 16, true and True are one value); keep one")
                 raise ValueError(f"choices: {_yaml(a)} and {_yaml(b)} compare equal, so a trial's value "
                                  "cannot tell them apart; keep one")
         elif self.choices is not None:
@@ -330,6 +332,16 @@ def gpu_share(value: float) -> int | None:
 _SCHEDULER_ADDRESS = re.compile(r"(?:(?:tcp|tls|ucx|ws|wss)://)?(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}")
 
 
+WALLTIMES = {
+    "slurm": (r"\d+(?::\d{1,2}){0,2}|\d+-\d{1,2}(?::\d{1,2}){0,2}", "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
+    "pbs": (r"\d+(?::\d{1,2}){0,2}", "HH:MM:SS, MM:SS or seconds"),
+    "sge": (r"\d+(?::\d{1,2}){0,2}", "HH:MM:SS, MM:SS or seconds"),
+    "lsf": (r"\d+(?::\d{1,2})?", "HH:MM or minutes"),
+}
+"""The time limits each batch system takes (``resources.cluster.walltime``), and how to write
+them; HTCondor jobs have none (:func:`hpo.jobqueue.job_options` refuses one)."""
+
+
 class Cluster(_Frozen):
     """Where trials run when they leave this machine (``resources.cluster``): a Dask scheduler
     at ``address``, or Dask workers that dask-jobqueue starts as batch jobs of ``kind``.
@@ -376,6 +388,14 @@ class Cluster(_Frozen):
                              f"([tcp|tls|ucx|ws|wss://]HOST:PORT), got {value!r}")
         return value
 
+    @field_validator("walltime", mode="before")
+    @classmethod
+    def _walltime_text(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # a ValueError, which pydantic reports
+            raise ValueError(f"got the number {_yaml(value)}; quote the walltime, e.g. '02:00:00' "  # noqa: TRY004
+                             "(YAML reads 2:00:00 unquoted as the number 7200)")
+        return value
+
     @field_validator("memory", "disk")
     @classmethod
     def _amount(cls, value: str | None) -> str | None:
@@ -385,6 +405,9 @@ class Cluster(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> Cluster:
+        if self.address is not None and self.kind is not None:
+            raise ValueError("address and kind exclude each other: give address for a running Dask scheduler, "
+                             "or kind (and the jobs' keys) for batch jobs that hpo starts")
         if (self.address is None) == (self.kind is None):
             raise ValueError("expected a Dask scheduler address (tcp://host:8786) or a mapping with kind: "
                              "slurm, pbs, sge, lsf or htcondor")
@@ -395,6 +418,9 @@ class Cluster(_Frozen):
             if (self.kind == "htcondor") != (self.disk is not None):
                 raise ValueError("disk: required for HTCondor jobs" if self.disk is None
                                  else f"disk: only HTCondor jobs ask for disk, not {self.kind} jobs")
+            forms = WALLTIMES.get(self.kind)
+            if self.walltime is not None and forms is not None and not re.fullmatch(forms[0], self.walltime.strip()):
+                raise ValueError(f"walltime: expected a {self.kind} time limit ({forms[1]}), got {self.walltime!r}")
         else:
             given = sorted(self.model_fields_set - {"address"})
             if given:
@@ -554,9 +580,15 @@ class Scenario(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:
+        from hpo.launch import distributed  # hpo.launch imports this module
+
         if not self.parameters:
             raise ValueError("parameters: the scenario defines no parameter")
         names = list(self.parameters)
+        for name in names:
+            problem = _name_problem(name)
+            if problem:
+                raise ValueError(f"parameters.{name}: {problem}" if name else f"parameters: {problem}")
         reserved = {"trial_number", "trial_dir", "data_dir", "seed", "trial_seed"} & set(names)
         if reserved:
             raise ValueError(f"parameters.{min(reserved)}: the name is reserved for the template context")
@@ -569,6 +601,9 @@ class Scenario(_Frozen):
             if key in READ_BY_HPO:
                 raise ValueError(f"env.{key}: hpo reads it from its own environment, not from a trial's; "
                                  f"set it where hpo runs ({key}=... hpo run ...)")
+            if distributed(key):
+                raise ValueError(f"env.{key}: torchrun sets it for each trial process; one value for every trial "
+                                 "would give each process a wrong place in a distributed job")
         _check_columns(self)
         _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
@@ -602,6 +637,20 @@ SET_BY_HPO = {"CUDA_VISIBLE_DEVICES": " from its slot's GPUs (resources.gpus cho
 READ_BY_HPO = ("HPO_GPUS", "HPO_DEBUG", "HPO_FAULTS")
 """Environment variables that hpo reads from its own environment: a scenario's ``env``, which
 only trials see, may not set them."""
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a parameter (it is a flag's name, a column of the results CSV and
+    a template's variable), or None."""
+    if not name:
+        return "a parameter's name is empty (its flag would be --, its column of the results CSV blank); name it"
+    if any(char.isspace() for char in name):
+        return f"{name!r} holds whitespace, which would split its flag and its template variable; rename the parameter"
+    if "=" in name:
+        return f"{name!r} holds '=', which would end its flag's name (--{name}); rename the parameter"
+    if name.startswith("-"):
+        return f"{name!r} starts with '-', which its flag adds itself (--name); rename the parameter"
+    return None
 
 
 def _check_columns(scenario: Scenario) -> None:
@@ -691,10 +740,10 @@ def _needs(name: str, params: dict[str, Param]) -> dict[str, set[tuple[bool, Any
 
 
 def _bool_hint(value: Any, choices: tuple[Any, ...]) -> str:
-    """Why a condition's string such as ``'on'`` misses choices that YAML read as true/false
-    (``[on, off]`` unquoted), or ``''``."""
+    """Why a condition's string such as ``'on'`` or ``'true'`` misses the choices true and false,
+    or ``''``."""
     if isinstance(value, str) and any(isinstance(choice, bool) for choice in choices):
-        return "; YAML reads yes/no, on/off and true/false unquoted as true/false: quote the choices"
+        return "; the choices true and false are not text: write true or false unquoted"
     return ""
 
 
@@ -765,6 +814,18 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) else _yaml(value)
 
 
+def _not_text(value: Any) -> str:
+    """Why ``value``, an ``env`` value that YAML did not read as text (nor as a number), is refused."""
+    if isinstance(value, (list, dict)):
+        return f"env values are text, not a {'list' if isinstance(value, list) else 'mapping'} ({_yaml(value)})"
+    if isinstance(value, bool):
+        return (f"{_yaml(value)} is not text (YAML reads true/false, yes/no and on/off unquoted as true/false); "
+                f"quote it, e.g. '{_yaml(value)}'")
+    if value is None:
+        return "null is not text (YAML reads ~, null and nothing unquoted as null); quote it, or write ''"
+    return f"{_yaml(value)} is not text (YAML reads it unquoted as a {type(value).__name__}); quote it"
+
+
 def _format_error(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     message: str = error["msg"]
@@ -785,8 +846,11 @@ def _format_error(error: dict[str, Any]) -> str:
         if sep and head.isidentifier() and " " not in head:
             loc, message = loc + (head,), rest
     if loc and loc[-1] == "[key]":  # a mapping key that YAML read as a bool, a number or null
-        loc, message = loc[:-2], (f"the name {_yaml(error['input'])} is not a string: YAML reads yes/no, "
-                                  "on/off, true/false, null and numbers unquoted as such; quote the name")
+        words = "true/false" if loc[0] == "parameters" else "yes/no, on/off, true/false"
+        loc, message = loc[:-2], (f"the name {_yaml(error['input'])} is not a string: YAML reads {words}, "
+                                  "null and numbers unquoted as such; quote the name")
+    if len(loc) == 2 and loc[0] == "env" and error["type"] == "string_type":
+        message = _not_text(error["input"])
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(_owner(loc))
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
@@ -807,14 +871,64 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
     (``(line A)`` for two on one line)."""
 
 
+class AliasLoopError(yaml.composer.ComposerError):
+    """An alias inside the node its anchor names (``a: &a [*a]``): a loop no scenario can hold;
+    ``problem_mark`` is the alias."""
+
+
+_CORE_INT_TAG = "tag:hpo:core-int"  # YAML 1.2's int: 010 is ten, 0o17 octal; YAML 1.1's 010 is eight
+_CORE_SCHEMA = tuple((tag, re.compile(pattern)) for tag, pattern in (
+    ("tag:yaml.org,2002:null", r"~|null|Null|NULL|"),
+    ("tag:yaml.org,2002:bool", r"true|True|TRUE|false|False|FALSE"),
+    (_CORE_INT_TAG, r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"),
+    ("tag:yaml.org,2002:float", (r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                 r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")),
+    ("tag:yaml.org,2002:merge", r"<<"),  # not YAML 1.2's, but a merge works there as everywhere
+))
+"""How YAML 1.2's core schema reads a plain scalar: the first tag whose pattern matches it, else a string."""
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader that refuses a key given twice in one mapping, at any depth, with a
-    :class:`DuplicateKeyError` (YAML forbids it; PyYAML would keep the last one silently).
-    Keys that a merge (``<<: *base``) brings in may still be overridden."""
+    :class:`DuplicateKeyError` (YAML forbids it; PyYAML would keep the last one silently), and
+    an alias inside the node it names with an :class:`AliasLoopError`. Keys that a merge
+    (``<<: *base``) brings in may still be overridden.
+
+    Plain scalars inside the top-level ``parameters`` are read as YAML 1.2's core schema reads
+    them (``1e-3`` and ``010`` are numbers, 0.001 and 10; ``yes``, ``on`` and ``1_000`` are
+    text; only true/false in any case are booleans); elsewhere as PyYAML reads YAML 1.1 (a
+    command's ``--wd 1e-3`` or an ``env`` value stays as written)."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
         self._paths: dict[yaml.Node, str] = {}
+        self._depth = 0
+        self._core = False
+        self._open: list[str | None] = []
+
+    def compose_node(self, parent: yaml.Node | None, index: yaml.Node | None) -> yaml.Node:
+        """The node of the next event; the anchors of the nodes being composed are open, and
+        an alias to one of them is an AliasLoopError."""
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) and event.anchor in self._open:
+            raise AliasLoopError(problem=f"the alias *{event.anchor} refers to itself (it lies inside the node "
+                                         f"&{event.anchor} names)", problem_mark=event.start_mark)
+        core = self._core
+        self._core = core or (self._depth == 1 and isinstance(index, yaml.ScalarNode) and index.value == "parameters")
+        self._depth += 1
+        self._open.append(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
+            self._depth -= 1
+            self._core = core
+
+    def resolve(self, kind: type[yaml.Node], value: Any, implicit: tuple[bool, bool]) -> str:
+        """The tag of a node without one: inside ``parameters``, a plain scalar's by :data:`_CORE_SCHEMA`."""
+        if self._core and kind is yaml.ScalarNode and implicit[0]:
+            return next((tag for tag, pattern in _CORE_SCHEMA if pattern.fullmatch(value)), "tag:yaml.org,2002:str")
+        return super().resolve(kind, value, implicit)
 
     def _child(self, node: yaml.Node, key: str) -> str:
         """The dotted path of ``key`` (a key or an index) in the mapping or list ``node``."""
@@ -848,42 +962,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_sequence(node, deep=deep)
 
 
-_EXPONENT_TAG = "tag:hpo:exponent"  # a plain 1e-3, which YAML 1.1 reads as a string (it needs 1.0e-3)
-
-
-class _Exponent(float):
-    """A plain scalar such as ``1e-3``, which YAML 1.2 reads as a number and YAML 1.1 as a
-    string, with its text: a number among the parameters, its text elsewhere
-    (:func:`_exponents_read`)."""
-
-    text: str
-
-
-def _construct_exponent(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> _Exponent:
+def _construct_core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
-    number = _Exponent(text.replace("_", ""))
-    number.text = text
-    return number
+    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+    return int(text if base == 10 else text[2:], base)
 
 
-UniqueKeyLoader.add_implicit_resolver(
-    _EXPONENT_TAG, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-UniqueKeyLoader.add_constructor(_EXPONENT_TAG, _construct_exponent)
-
-
-def _exponents_read(value: Any, numbers: bool = False) -> Any:
-    """``value`` (a loaded scenario) with each :class:`_Exponent` a float where ``numbers`` (in
-    ``parameters``: a choice, constant, bound or condition value; ``1e-3`` was the string
-    '1e-3' there) and its text elsewhere (a command's ``--wd 1e-3``, an ``env`` value stay as
-    written); keys are always their text."""
-    if isinstance(value, _Exponent):
-        return float(value) if numbers else value.text
-    if isinstance(value, dict):
-        return {_exponents_read(key): _exponents_read(item, numbers or key == "parameters")
-                for key, item in value.items()}
-    if isinstance(value, list):
-        return [_exponents_read(item, numbers) for item in value]
-    return value
+UniqueKeyLoader.add_constructor(_CORE_INT_TAG, _construct_core_int)
 
 
 def _example_in(folder: Path) -> str:
@@ -904,9 +989,11 @@ def load_scenario(path: str | Path) -> Scenario:
     if not file.is_file():
         raise InputError(f"{path}: scenario file not found")
     try:
-        raw = _exponents_read(yaml.load(utf8_text(file), Loader=UniqueKeyLoader))
+        raw = yaml.load(utf8_text(file), Loader=UniqueKeyLoader)
     except DuplicateKeyError as exc:
         raise InputError(f"{file.name}: {exc.problem}") from None
+    except AliasLoopError as exc:
+        raise InputError(f"{file.name} line {exc.problem_mark.line + 1}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

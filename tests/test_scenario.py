@@ -14,7 +14,7 @@ from conftest import cli_env
 
 from hpo import space
 from hpo.errors import InputError
-from hpo.launch import plan_slots, uses_torchrun
+from hpo.launch import flag_args, plan_slots, uses_torchrun
 from hpo.scenario import Objective, Resources, Search, load_scenario
 
 WriteScenario = Callable[..., Path]
@@ -184,7 +184,7 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         (_p("n", type="int", low=9007199254740993, high=9007199254740995),
          "parameters.n.low: whole numbers from 2**53 on are not held exactly"),
         (_p("n", type="int", low=1), "parameters.n.high: an int parameter needs low and high"),
-        (_p("c", type="categorical", choices=["a", "a"]), "parameters.c.choices: values must be unique"),
+        (_p("c", type="categorical", choices=["a", "a"]), "parameters.c.choices: 'a' is listed twice"),
         (_p("c", type="categorical", choices=["a"], low=0), "parameters.c.low: only int and float"),
         (_p("c", type="constant"), "parameters.c.value: a constant parameter needs a value"),
         (_p("x", value=3), "parameters.x.value: only a constant parameter has a value"),
@@ -245,7 +245,7 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
          "resources.gpus_per_trial: 5000 GPUs (processes) per trial; a trial runs at most 1024"),
         ({"env": {1: "x"}}, "env: the name 1 is not a string: YAML reads yes/no, on/off"),
         ({"parameters": {True: {"type": "float", "low": 0, "high": 1}}},
-         "parameters: the name true is not a string: YAML reads yes/no, on/off, true/false, null and numbers"),
+         "parameters: the name true is not a string: YAML reads true/false, null and numbers unquoted"),
         ({"data_dir": " "}, "data_dir: the path is empty"),
         ({"template": ["train.py.j2", ""]}, "template: the path is empty"),
         ({"flags": True, **_p("y", type="float", low=0, high=1, flag="--x")},
@@ -319,7 +319,7 @@ def test_a_path_may_start_with_the_home_folder(tmp_path: Path, write_scenario: W
 def test_env_numbers_are_their_text(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scenario = load_scenario(write_scenario(tmp_path, env={"OMP_NUM_THREADS": 4, "LR_SCALE": 0.5}))
     assert scenario.env == {"OMP_NUM_THREADS": "4", "LR_SCALE": "0.5"}
-    with pytest.raises(InputError, match="env.FLAG: Input should be a valid string"):
+    with pytest.raises(InputError, match="env.FLAG: true is not text"):
         load_scenario(write_scenario(tmp_path, env={"FLAG": True}))
 
 
@@ -406,3 +406,131 @@ def test_1e_3_outside_the_parameters_stays_as_written(tmp_path: Path, write_scen
     scenario = load_scenario(path)
     assert scenario.command == ("python", "train.py", "--wd", "1e-3")
     assert dict(scenario.env) == {"EPS": "1e-8", "X": "1E5"}
+
+
+def _with_lines(path: Path, parameters: str = "", extra: str = "") -> Path:
+    """``path`` (a scenario written by ``write_scenario``) with YAML lines as written added to its
+    parameters and at its end (``yaml.safe_dump`` would quote ``yes`` or ``010``)."""
+    path.write_text(path.read_text().replace("parameters:\n", f"parameters:\n{parameters}") + extra)
+    return path
+
+
+def test_the_parameters_are_read_as_yaml_1_2_reads_them(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """YAML 1.1 read 010 as eight, 1_000 as 1000 and [yes, no] as a switch; outside the
+    parameters it still reads (flags: yes is true)."""
+    path = _with_lines(write_scenario(tmp_path), parameters=(
+        "  width: {type: categorical, choices: [010, 020, 0o17, 0x1f, -7]}\n"
+        "  act: {type: categorical, choices: [yes, no, on, 'off']}\n"
+        "  b: {type: categorical, choices: [True, FALSE]}\n"
+        "  k: {type: constant, value: 1_000}\n"
+        "  day: {type: constant, value: 2001-01-01}\n"
+        "  lr: {type: categorical, choices: [.5, 1e3, -2E-1, 1.]}\n"
+        "  m: {type: float, low: 0, high: 1, log: no, condition: {act: yes}}\n"
+        "  on: {type: constant, value: 3}\n"), extra="flags: yes\n")
+    scenario = load_scenario(path)
+    params = scenario.parameters
+    assert params["width"].choices == (10, 20, 15, 31, -7)
+    assert params["act"].choices == ("yes", "no", "on", "off")
+    assert params["b"].choices == (True, False)
+    assert (params["k"].value, params["day"].value, params["on"].value) == ("1_000", "2001-01-01", 3)
+    assert params["lr"].choices == (0.5, 1000.0, -0.2, 1.0)
+    assert params["m"].condition == {"act": "yes"} and params["m"].log is False
+    assert scenario.flags is True
+    assert flag_args(scenario, {"act": "yes", "width": 10}) == ["--act", "yes", "--width", "10"]
+
+
+@pytest.mark.parametrize(("choices", "expected"), [
+    ("[true, True]", "parameters.c.choices: true is listed twice, as YAML reads the values"),
+    ("[0x10, 16]", "parameters.c.choices: 16 is listed twice, as YAML reads the values"),
+    ("[1, 1.0]", "parameters.c.choices: 1 and 1.0 compare equal"),
+])
+def test_choices_that_yaml_reads_alike_say_so(tmp_path: Path, write_scenario: WriteScenario, choices: str,
+                                              expected: str) -> None:
+    path = _with_lines(write_scenario(tmp_path), parameters=f"  c: {{type: categorical, choices: {choices}}}\n")
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+
+
+@pytest.mark.parametrize(("text", "line", "anchor"), [
+    ("a: &a [*a]\n", 1, "a"),
+    ("name: demo\nparameters:\n  x: &a {type: categorical,\n    choices: [*a]}\n", 4, "a"),
+    ("name: demo\nenv: &e {A: *e}\n", 2, "e"),
+    ("name: demo\nparameters: &p\n  x: {<<: *p}\n", 3, "p"),
+])
+def test_an_alias_inside_its_own_node_names_the_file_and_line(tmp_path: Path, text: str, line: int,
+                                                               anchor: str) -> None:
+    """PyYAML builds such a loop, and hpo recursed through it until a RecursionError (exit code 1)."""
+    path = tmp_path / "loop.yaml"
+    path.write_text(text)
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value) == (f"loop.yaml line {line}: the alias *{anchor} refers to itself (it lies inside the "
+                               f"node &{anchor} names)")
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("true", ("env.WANDB_SILENT: true is not text (YAML reads true/false, yes/no and on/off unquoted as "
+              "true/false); quote it, e.g. 'true'")),
+    ("yes", "env.WANDB_SILENT: true is not text"),
+    ("off", "env.WANDB_SILENT: false is not text"),
+    ("~", ("env.WANDB_SILENT: null is not text (YAML reads ~, null and nothing unquoted as null); quote it, or "
+           "write ''")),
+    ("2001-01-01", "env.WANDB_SILENT: 2001-01-01 is not text (YAML reads it unquoted as a date); quote it"),
+    ("[1, 2]", "env.WANDB_SILENT: env values are text, not a list ([1, 2])"),
+    ("{a: 1}", "env.WANDB_SILENT: env values are text, not a mapping ({a: 1})"),
+])
+def test_an_env_value_that_is_not_text_says_to_quote_it(tmp_path: Path, write_scenario: WriteScenario, value: str,
+                                                         expected: str) -> None:
+    path = _with_lines(write_scenario(tmp_path), extra=f"env: {{WANDB_SILENT: {value}}}\n")
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+    path = _with_lines(write_scenario(tmp_path), extra=f"env: {{WANDB_SILENT: '{value}', N: 4}}\n")
+    assert load_scenario(path).env == {"WANDB_SILENT": value, "N": "4"}
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                  "TORCHELASTIC_RUN_ID", "PET_NNODES"])
+def test_env_leaves_a_trials_place_in_a_distributed_job_to_torchrun(tmp_path: Path, write_scenario: WriteScenario,
+                                                                     name: str) -> None:
+    """report() prints on rank 0 only: env RANK: '1' failed every trial with "val_error was never reported"."""
+    with pytest.raises(InputError) as info:
+        load_scenario(write_scenario(tmp_path, env={name: "1"}))
+    assert str(info.value).startswith(f"scenario.yaml: env.{name}: torchrun sets it for each trial process; ")
+    assert load_scenario(write_scenario(tmp_path, env={"NCCL_DEBUG": "INFO", "RANKING": "1"})).env["RANKING"] == "1"
+
+
+SLURM = {"kind": "slurm", "cores": 4, "memory": "16GB"}
+
+
+@pytest.mark.parametrize(("cluster", "expected"), [
+    ({**SLURM, "address": "tcp://head:8786"},
+     "resources.cluster: address and kind exclude each other: give address for a running Dask scheduler, or kind"),
+    ({**SLURM, "walltime": "abc"}, ("resources.cluster.walltime: expected a slurm time limit (MM, MM:SS, "
+                                    "HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS), got 'abc'")),
+    ({**SLURM, "walltime": "2h"}, "resources.cluster.walltime: expected a slurm time limit"),
+    ({**SLURM, "kind": "pbs", "walltime": "1-00:00"}, ("resources.cluster.walltime: expected a pbs time limit "
+                                                       "(HH:MM:SS, MM:SS or seconds), got '1-00:00'")),
+    ({**SLURM, "kind": "lsf", "walltime": "02:00:00"}, "resources.cluster.walltime: expected a lsf time limit"),
+    ({**SLURM, "walltime": 7200}, "resources.cluster.walltime: got the number 7200; quote the walltime"),
+])
+def test_a_cluster_says_what_is_wrong_with_it(tmp_path: Path, write_scenario: WriteScenario,
+                                              cluster: dict[str, Any], expected: str) -> None:
+    with pytest.raises(InputError) as info:
+        load_scenario(write_scenario(tmp_path, resources={"cluster": cluster}))
+    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+
+
+@pytest.mark.parametrize(("kind", "walltimes"), [
+    ("slurm", ["30", "30:00", "02:00:00", "1-12", "1-12:30", "1-12:30:00"]),
+    ("pbs", ["3600", "60:00", "01:00:00"]),
+    ("sge", ["3600", "01:00:00"]),
+    ("lsf", ["90", "1:30"]),
+])
+def test_the_walltimes_each_batch_system_takes_pass(tmp_path: Path, write_scenario: WriteScenario, kind: str,
+                                                    walltimes: list[str]) -> None:
+    for walltime in walltimes:
+        cluster = {**SLURM, "kind": kind, "walltime": walltime}
+        assert load_scenario(write_scenario(tmp_path, resources={"cluster": cluster})).resources.cluster.walltime \
+            == walltime

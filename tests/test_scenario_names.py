@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from hpo.cli import export_rows
+from hpo.errors import InputError
 from hpo.scenario import RESULTS_COLUMNS, DuplicateKeyError, UniqueKeyLoader, load_scenario
 
 WriteScenario = Callable[..., Path]
@@ -143,3 +144,32 @@ def test_a_misspelt_top_level_key_is_named_not_the_key_it_leaves_missing(
         tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli, raw: str, expected: str) -> None:
     path = write_scenario(tmp_path, raw=raw)
     assert_one_line(run_cli("validate", path, cwd=tmp_path), f"scenario.yaml: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("", ("parameters: a parameter's name is empty (its flag would be --, its column of the results CSV "
+              "blank); name it")),
+        ("x y", ("parameters.x y: 'x y' holds whitespace, which would split its flag and its template variable; "
+                 "rename the parameter")),
+        ("lr\t", ("parameters.lr\t: 'lr\\t' holds whitespace, which would split its flag and its template "
+                  "variable; rename the parameter")),
+        ("a=b", "parameters.a=b: 'a=b' holds '=', which would end its flag's name (--a=b); rename the parameter"),
+        ("-lr", "parameters.-lr: '-lr' starts with '-', which its flag adds itself (--name); rename the parameter"),
+    ],
+)
+def test_a_name_that_no_flag_or_column_can_carry_is_refused(tmp_path: Path, write_scenario: WriteScenario,
+                                                            name: str, expected: str) -> None:
+    """Such names made the flags --, --x y and --a=b, and a blank column of the results CSV."""
+    path = write_scenario(tmp_path, parameters={name: FLOAT})
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    assert str(info.value) == f"scenario.yaml: {expected}"
+
+
+def test_names_with_dashes_dots_and_underscores_pass(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    path = write_scenario(tmp_path, flags=True, parameters={name: FLOAT for name in ("batch-size", "a.b", "_w", "x_1")})
+    scenario = load_scenario(path)
+    assert [scenario.flag_of(name) for name in ("batch-size", "a.b", "_w", "x_1")] == \
+        ["--batch-size", "--a.b", "--_w", "--x_1"]
