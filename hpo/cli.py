@@ -267,7 +267,7 @@ def describe_plan(slots: Sequence[Any], executor: Any = None, parallel: tuple[in
     """``2 slots: 1 process on 1/2 of GPU 0, ...`` in one line (as ``executor`` describes its
     slots where the trials run on a Dask cluster). ``parallel``: the number of slots asked
     for and the setting that asked (``resources.parallel``, ``--parallel``); the line says
-    when the GPUs allowed fewer."""
+    when the GPUs allowed fewer, and when 1 leaves the other trials of a GPU's share unrun."""
     if executor:
         return executor.describe(slots)
     from hpo.launch import plural
@@ -278,6 +278,8 @@ def describe_plan(slots: Sequence[Any], executor: Any = None, parallel: tuple[in
         gpus, share = len({gpu for slot in slots for gpu in slot.gpus}), slots[0].share
         room = f"{share} trials per GPU" if share > 1 else f"{plural(len(slots[0].gpus), 'GPU')} per trial"
         capped = f" ({parallel[1]} {parallel[0]} capped to {len(slots)}: {plural(gpus, 'GPU')}, {room})"
+    elif parallel is not None and parallel[0] == 1 and slots and slots[0].share > 1:  # parallel left at its default
+        capped = f" ({parallel[1]} 1: one trial at a time; {parallel[1]}: auto runs {slots[0].share} on each GPU)"
     return f"{plural(len(slots), 'slot')}{capped}: {'; '.join(kinds)}"
 
 

@@ -87,6 +87,18 @@ def test_the_plan_says_once_when_the_gpus_cap_parallel(gpus_per_trial: float, pa
     assert first == f"ok: demo: 2 parameters, method monte_carlo, 2 trials, {said}"
 
 
+def test_a_share_of_a_gpu_one_trial_at_a_time_says_how_to_share_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """gpus_per_trial: 0.25 with parallel left at 1 ran one trial on a quarter of the GPU,
+    the other three quarters idle, without a word."""
+    monkeypatch.setenv("HPO_GPUS", "0")
+    scenario = write_scenario_file(tmp_path, resources={"gpus_per_trial": 0.25})
+    assert main(["validate", str(scenario)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "1 slot (resources.parallel 1: one trial at a time; resources.parallel: auto runs 4 on each GPU): "
+        "1 process on 1/4 of GPU 0")
+
+
 def test_a_worker_given_its_slots_or_a_smaller_parallel_is_not_capped() -> None:
     slots = (Slot(0, (0,), 1, 1, 2), Slot(1, (1,), 1, 1, 2))
     assert describe_plan(slots) == "2 slots: 1 process on 1/2 of GPU 0; 1 process on 1/2 of GPU 1"
