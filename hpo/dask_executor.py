@@ -87,7 +87,17 @@ from hpo.executor import (
     save_result,
     saved_result,
 )
-from hpo.launch import GPU_ENV, KILL_GRACE_S, Slot, detect_gpus, env_threads, gpu_ids, plural, usable_cores
+from hpo.launch import (
+    GPU_ENV,
+    KILL_GRACE_S,
+    Slot,
+    detect_gpus,
+    env_threads,
+    gpu_ids,
+    parallel_allows,
+    plural,
+    usable_cores,
+)
 from hpo.outcome import Outcome, TrialResult
 from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, folder_full, folder_writes, write_files
 from hpo.results import Metrics
@@ -795,10 +805,12 @@ class DaskExecutor:
         """The sweep's slots: ``parallel``, else ``resources.parallel`` when set to a number,
         else the cluster's :meth:`capacity` (they then grow as workers join: :meth:`slots_now`,
         unless not ``grows``: ``hpo run --workers`` hands them out in fixed shares, and workers
-        that join later are said, with how to use them); at least ``at_least``."""
+        that join later are said, with how to use them); at least ``at_least``, which a number
+        the scenario gives for ``parallel`` must allow (:func:`hpo.launch.parallel_allows`)."""
         self._grows = grows
         if parallel is None and "parallel" in self._resources.model_fields_set:
             parallel = self._resources.parallel if isinstance(self._resources.parallel, int) else None
+            parallel_allows(parallel is not None, self._resources.parallel, at_least)
         count = max(at_least, parallel if parallel is not None else self.capacity())
         self._auto_slots = count if parallel is None and self._capacity is None else None
         return tuple(Slot(i, (), self.demand.processes, 1, self.demand.share) for i in range(count))

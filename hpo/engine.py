@@ -64,7 +64,6 @@ from hpo.render import (
     folder_full,
     folder_writes,
     trial_folder,
-    trial_seed,
 )
 from hpo.rows import TrialRow
 from hpo.samplers import make_pruner, make_sampler
@@ -142,12 +141,14 @@ class SweepConfig:
     store_reached: bool = False  # a worker that hpo run --workers started: its store answered hpo run
 
 
-def recorded_seed(folder: Path, number: int, study_seed: int) -> int:
-    """The ``trial_seed`` trial ``number`` ran with: its params.json's, else the default."""
+def recorded_seed(folder: Path, recorded: Callable[[], int]) -> int:
+    """The ``trial_seed`` the trial in ``folder`` ran with: its params.json's, else
+    ``recorded()`` (what its claim recorded in the store: the folder may be gone, or on a Dask
+    worker's machine)."""
     try:
         return int(json.loads((folder / PARAMS_FILE).read_text())["trial_seed"])
     except (OSError, ValueError, KeyError, TypeError):
-        return trial_seed(study_seed, number)
+        return recorded()
 
 
 PREFLIGHT_SAMPLES = 100  # the most configurations preflight renders
@@ -662,7 +663,7 @@ class Sweep:
         if changed is not None:
             raise InputError(f"trial {number}: {changed}; hpo rerun runs a configuration of the scenario's search "
                              "space as it is: rerun a trial run since the change")
-        default_seed = recorded_seed(Path(original.folder), number, self._scenario.search.seed)
+        default_seed = recorded_seed(Path(original.folder), lambda: self.scheduler.seed_of(number))
         claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed, default_seed))
         with self._lock:
             self._running[claim.number] = _Running(claim)

@@ -177,18 +177,18 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
             raise InputError(f"--workers {at_least}: this machine runs {plural(room, 'trial')} at a time "
                              f"({plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
                              f"{_more_at_once(resources, len(ids), at_least, room)}")
-        _parallel_allows(asked, wanted, at_least)
+        parallel_allows(asked, wanted, at_least)
         groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(len(ids) // per_trial)]
         assigned = [groups[i % len(groups)] for i in range(count)]
     else:
-        _parallel_allows(asked, wanted, at_least)
+        parallel_allows(asked, wanted, at_least)
         count = max(at_least, cpus // processes) if wanted == "auto" else max(wanted, at_least)
         assigned = [()] * count
     threads = threads or max(1, cpus // (count * processes))
     return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
 
 
-def _parallel_allows(asked: bool, parallel: int | str, workers: int) -> None:
+def parallel_allows(asked: bool, parallel: int | str, workers: int) -> None:
     """Raise InputError where the scenario ``asked`` for ``parallel`` trials at once, fewer than
     ``workers`` (``--workers``), each of which runs at least one."""
     if asked and workers > int(parallel):

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import numbers
 import os
 import re
 import sys
@@ -95,11 +94,13 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
         raise ValueError("report(): give at least one metric, e.g. report(val_error=0.1)")
     payload: dict[str, float | int] = {}
     if step is not None:
-        whole = isinstance(step, numbers.Real) and not isinstance(step, bool) and math.isfinite(step) \
-            and float(step).is_integer() and 0 <= int(step) <= LARGEST_STEP
-        if not whole:
+        try:  # a number of any kind (an int, numpy's, a one-element tensor), never text or true/false
+            number = float(step) if not isinstance(step, (str, bytes, bool)) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not (number.is_integer() and 0 <= number <= LARGEST_STEP):
             raise ValueError(f"report(): step is {step!r}, not a whole number from 0 to {LARGEST_STEP}")
-        payload[STEP_KEY] = int(step)
+        payload[STEP_KEY] = int(number)
     for name, value in metrics.items():
         try:
             payload[name] = float(value)

@@ -238,6 +238,10 @@ class Scheduler:
             return default
         return trial_seed(self.store.scenario.search.seed, number if original is None else original)
 
+    def seed_of(self, number: int) -> int:
+        """The ``trial_seed`` that trial ``number``'s claim recorded (see :meth:`_recorded_seed`)."""
+        return self._recorded_seed(self.store.trials(), number, None)
+
     def claim_rerun(self, original: TrialRow, seed: int | None, default_seed: int) -> Claim:
         """A trial that runs ``original``'s configuration again, marked ``rerun_of`` (it uses
         no budget, is never pruned): the first queued rerun of ``original`` (one that was

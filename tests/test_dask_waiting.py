@@ -20,6 +20,7 @@ from test_dask import Control, LocalDask, Running, held, own_cluster, trial_spec
 
 from hpo import dask_executor
 from hpo.dask_executor import DaskExecutor
+from hpo.errors import InputError
 from hpo.outcome import Outcome
 from hpo.render import LOG_FILE
 from hpo.scenario import Resources
@@ -255,8 +256,16 @@ def test_slots_handed_out_to_workers_do_not_grow_and_the_joiner_is_said(tmp_path
 
 
 def test_a_set_parallel_does_not_grow(tmp_path: Path) -> None:
+    """... and hpo run --workers 2 --cluster beyond the parallel: 1 given is refused, as it is
+    on this machine (it ran 2 trials at once)."""
     said: list[str] = []
-    with joined_later(tmp_path, Resources(parallel=1), lambda executor: executor.plan(), said) as executor:
+
+    def plan(executor: DaskExecutor) -> None:
+        with pytest.raises(InputError, match=r"^--workers 2: resources.parallel is 1, and each worker runs"):
+            executor.plan(at_least=2, grows=False)
+        executor.plan()
+
+    with joined_later(tmp_path, Resources(parallel=1), plan, said) as executor:
         time.sleep(2 * dask_executor.WATCH_S)
         assert executor.slots_now() is None and not said
 

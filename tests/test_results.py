@@ -1032,16 +1032,21 @@ def test_a_step_pattern_match_that_is_not_a_whole_number_is_refused_and_leaves_n
 def test_report_prints_a_whole_step_and_refuses_another_at_once() -> None:
     """report(step=1.5) and report(step=-1) printed lines that the parser refused later, as a
     note in trial.log, where a value that is not a number raised at once; report() printed {}."""
+    import numpy as np
+    import torch
+
     out = io.StringIO()
-    report(step=2.0, file=out, val_error=0.5)
-    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}']
-    for step in (1.5, -1, 2**31, "2", float("nan")):
+    for step in (2.0, np.int64(2), torch.tensor(2), np.array(2.0)):
+        report(step=step, file=out, val_error=0.5)
+    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}'] * 4
+    out = io.StringIO()
+    for step in (1.5, -1, 2**31, "2", float("nan"), True, [2]):
         with pytest.raises(ValueError, match=rf"^report\(\): step is {re.escape(repr(step))}, not a whole number "
                                              r"from 0 to 2147483647$"):
             report(step=step, file=out, val_error=0.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^report\(\): give at least one metric"):
         report(step=1, file=out)
-    assert out.getvalue().splitlines() == ['{"step": 2, "val_error": 0.5}']
+    assert out.getvalue() == ""
 
 
 def test_report_prints_where_rank_is_set_empty(monkeypatch: pytest.MonkeyPatch) -> None:

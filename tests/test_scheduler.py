@@ -225,6 +225,19 @@ def test_a_sweep_that_had_crashes_gives_each_configuration_the_seed_it_has_witho
     assert seeds(tmp_path / "crashed", crash=True) == seeds(tmp_path / "calm", crash=False)
 
 
+def test_a_trials_recorded_seed_is_its_claims_when_its_folder_is_gone(tmp_path: Path,
+                                                                       write_scenario: WriteScenario) -> None:
+    """hpo rerun N of a trial whose folder was gone took seed + N, which is not the seed a
+    trial ran with once a copy queued again came before it."""
+    from hpo.engine import recorded_seed
+
+    scheduler = make(tmp_path, write_scenario, trials=3)
+    scheduler.settle(claim(scheduler), TrialResult(Outcome.INTERRUPTED, reason="interrupted"))
+    copy, later = claim(scheduler), claim(scheduler)
+    assert (copy.number, copy.seed, later.number, later.seed) == (1, 3, 2, 4)
+    assert recorded_seed(tmp_path / "gone", lambda: scheduler.seed_of(later.number)) == 4
+
+
 def test_interrupted_design_points_run_again_before_later_ones(tmp_path: Path, write_scenario: WriteScenario) -> None:
     """After a Ctrl-C, the copies of the interrupted points 0 and 1 queued behind point 2,
     claimed ahead for the next slot and put back: a lowered budget, or a CSV design's 'first
