@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import optuna
+import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import rowcache, space
@@ -291,7 +292,7 @@ class StudyStore:
         if problem is not None:
             raise InputError(f"{problem}: the study {self.scenario.name} stored its trials with the old distribution, "
                              "which an Optuna study cannot change; use another name for a new study "
-                             "(--allow-space-change cannot override this)")
+                             f"(--allow-space-change cannot override this){_read_otherwise(stored, self.scenario)}")
 
     def describe(self, scenario_text: str, allow_space_change: bool = False) -> None:
         """Record the metric name, held-out metrics, parameters and scenario on the study,
@@ -581,3 +582,20 @@ def scenario_text(path: Path) -> str:
         return utf8_text(path)
     except (OSError, InputError):
         return json.dumps({"path": str(path)})
+
+
+def _read_otherwise(stored: Mapping[str, optuna.distributions.BaseDistribution], scenario: Scenario) -> str:
+    """``; ...`` where a categorical's choices differ from those its trials stored only as YAML
+    1.1 and 1.2 read them (``[yes, no]`` was true and false before hpo read parameters as YAML
+    1.2 does), with the choices to write to resume the study; else ''."""
+    for name, distribution in stored.items():
+        param = scenario.parameters.get(name)
+        if not isinstance(distribution, optuna.distributions.CategoricalDistribution) or param is None \
+                or param.choices is None or set(param.choices) == set(distribution.choices):
+            continue
+        as_before = {yaml.safe_load(choice) if isinstance(choice, str) else choice for choice in param.choices}
+        if as_before == set(distribution.choices):
+            written = ", ".join(yaml.safe_dump(choice).removesuffix("\n...\n").strip() for choice in distribution.choices)
+            return (f"; hpo now reads parameters as YAML 1.2 does ({name}'s choices {', '.join(map(str, param.choices))} "
+                    f"are text): write [{written}] to resume the study")
+    return ""

@@ -123,6 +123,20 @@ def test_a_changed_choice_is_refused_before_the_study_is_touched(
     assert [row["state"] for row in rows] == ["COMPLETE"] * 3 and all(row["opt"] in ("a", "b") for row in rows)
 
 
+def test_a_study_whose_choices_yaml_now_reads_as_text_is_told_how_to_resume(
+        tmp_path: Path, write_scenario: Callable[..., Path], run_cli: Callable[..., Any]) -> None:
+    """A study begun while hpo read [yes, no] as true and false was refused on resume with
+    'use another name for a new study', without a word on why its choices changed."""
+    scenario = tmp_path / "scenario.yaml"
+    write_scenario(tmp_path, parameters={"opt": {"choices": [True, False]}})
+    assert run_cli("run", scenario).returncode == 0
+    scenario.write_text(scenario.read_text().replace("- true\n    - false", "- yes\n    - no"))
+    refused = run_cli("run", scenario)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.rstrip().endswith("; hpo now reads parameters as YAML 1.2 does (opt's choices yes, no are "
+                                            "text): write [true, false] to resume the study"), refused.stderr
+
+
 def test_a_csv_row_that_ran_before_its_cell_was_snapped_to_the_step_is_not_an_edit() -> None:
     """A cell 0.25000001 ran as itself before cells near a step were snapped; the design now
     reads 0.25, and resuming called the row edited."""
