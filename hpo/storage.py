@@ -731,7 +731,7 @@ class Retrying:
                     if not (isinstance(exc, self._errors) or disk_full(exc)):
                         raise
                     if disk_full(exc) and not self._full_disk_waits:
-                        raise StoreUnavailable(f"the store {self._url} cannot be opened here: {_root_cause(exc)[:200]} "
+                        raise StoreUnavailable(f"the store {self._url} cannot be used here: {_root_cause(exc)[:200]} "
                                                f"({free_space(self._path)}); free space there") from None
                     if not failed:
                         failed = True

@@ -227,7 +227,7 @@ def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: 
         began = time.monotonic()
         read = run_hpo(command, scenario, "--storage", store)
         assert time.monotonic() - began < 30 and read.returncode == 1, read.stderr
-        assert re.fullmatch(rf"error: the store {re.escape(store)} cannot be opened here: .* \(0 bytes free on "
+        assert re.fullmatch(rf"error: the store {re.escape(store)} cannot be used here: .* \(0 bytes free on "
                             rf"{disk.mount}\); free space there\n", read.stderr), read.stderr
 
 
