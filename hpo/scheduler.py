@@ -10,8 +10,9 @@ below what ran and was queued), they stay WAITING, unrun, until it is raised. A 
 of a rerun uses no budget: the next ``hpo run`` or ``hpo rerun`` of the same trial claims
 it, whichever comes first, with the rerun's ``trial_seed``, never pruned. A configuration
 queued again because it was LOST or INTERRUPTED runs with the ``trial_seed`` it had, and a new
-configuration, or a retry of a failure, gets the study's seed plus the number of such trials
-before it (:func:`_place`), so that a sweep that had crashes repeats one that had none. A rerun that
+configuration, or a retry of a failure, gets one that no crash moves (:meth:`Scheduler._own_seed`):
+a design point's number (and retry), a proposal's place among the tries of their own, so that a
+sweep that had crashes repeats one that had none. A rerun that
 fails is a finding, not retried (``search.retry_failed`` is for the sweep's trials). A design's next
 point is its first point that no trial covers yet, so every point runs exactly once
 whatever crashed in between.
@@ -201,7 +202,20 @@ class Scheduler:
         repeats = None if row is None else repeat_of(row)
         if row is not None and row.requeue_of is not None and row.retry_of is None:  # no fault of its own
             return self._claimed(trial, self._recorded_seed(trials, row.requeue_of, None), repeats=repeats)
-        return self._claimed(trial, trial_seed(store.scenario.search.seed, _place(rows, trial.number)), repeats=repeats)
+        point = trial.user_attrs.get(ATTR_DESIGN_INDEX) if row is None else row.design_index
+        return self._claimed(trial, self._own_seed(point, 0 if row is None else row.retries, rows, trial.number),
+                             repeats=repeats)
+
+    def _own_seed(self, point: int | None, retries: int, rows: list[TrialRow], number: int) -> int:
+        """The ``trial_seed`` of trial ``number``, a try of its own: of design point ``point``
+        (its ``retries``-th retry), the study's seed plus the point's number plus ``retries``
+        times the design's size, whatever order trials running at once end in; of a search
+        method's proposal, the study's seed plus its place among the study's tries of their own
+        (:func:`_place`)."""
+        seed = self.store.scenario.search.seed
+        if point is not None and self._numbers:
+            return trial_seed(seed, int(point) + retries * (max(self._numbers) + 1))
+        return trial_seed(seed, _place(rows, number))
 
     def _claimed(self, trial: optuna.Trial, seed: int, prunable: bool = True,
                  repeats: int | None = None) -> Claim:
