@@ -928,12 +928,20 @@ def _why_not_compared(completed: int, params: Sequence[str]) -> str | None:
 def frozen(study: optuna.Study, trials: Sequence[optuna.trial.FrozenTrial]) -> optuna.Study:
     """An in-memory study of ``study``'s name and direction that holds ``trials`` (all of the
     study's, in number order, as one read gave them): charts drawn from it show the same trials
-    while a sweep goes on changing ``study``."""
+    while a sweep goes on changing ``study``. A trial whose values its distributions do not hold
+    (queued from Optuna with ``study.enqueue_trial``, which allows them) is left out, and said."""
     import optuna
 
     copy = optuna.create_study(storage=optuna.storages.InMemoryStorage(), study_name=study.study_name,
                                direction=study.direction)
-    copy.add_trials(trials)
+    left_out = []
+    for trial in trials:
+        try:
+            copy.add_trial(trial)
+        except ValueError:
+            left_out.append(str(trial.number))
+    if left_out:
+        logger.warning("trial %s left out of the charts: its values lie outside the search space", ", ".join(left_out))
     return copy
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,16 @@ WAIT = "wait"
 def worker_id() -> str:
     """This process as a worker: ``host:pid``."""
     return f"{HOST}:{os.getpid()}"
+
+
+class OutsideSpace(Exception):
+    """Trial ``number``, claimed from the queue, holds values the scenario's space does not
+    (``why``: Optuna's words), as a trial queued from Optuna may."""
+
+    def __init__(self, number: int, why: str) -> None:
+        super().__init__(why)
+        self.number = number
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,18 @@ class Scheduler:
         self.worker = worker_id()
 
     def claim(self, mine: Container[int]) -> Claim | str | None:
+        """The next trial for a slot (see :meth:`_claim`); a queued trial whose values the
+        scenario's space does not hold (queued from Optuna: ``study.enqueue_trial``) is recorded
+        FAIL, with why, and the next is claimed."""
+        while True:
+            try:
+                return self._claim(mine)
+            except OutsideSpace as exc:
+                self.store.record(exc.number, TrialResult(
+                    Outcome.FAIL, reason=f"its values are not of the scenario's search space (queued from outside "
+                                         f"hpo?): {exc.why}"), trial_folder(self._workdir, exc.number))
+
+    def _claim(self, mine: Container[int]) -> Claim | str | None:
         """The next trial for a slot; :data:`WAIT` while only other workers' running trials
         stand between the study and its budget (they may need a re-run); None when done.
         Queued trials come first, in the order of the trials they stand for (a copy queued
@@ -175,7 +198,7 @@ class Scheduler:
             try:
                 trial = store.claim_waiting(runnable[0])
             except InputError:  # another worker took it, which only an ask lock lost unseen allows
-                return self.claim(mine)
+                return self._claim(mine)
         else:
             others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
             if not room:
@@ -193,7 +216,7 @@ class Scheduler:
             store.record(trial.number, TrialResult(
                 Outcome.INTERRUPTED, reason=f"not run: it was queued twice in a store outage, and trial {twin} runs it"),
                 trial_folder(self._workdir, trial.number))
-            return self.claim(mine)
+            return self._claim(mine)
         row = by_number.get(trial.number)
         if row is not None and row.rerun_of is not None:
             source = row.number if row.requeue_of is None else row.requeue_of
@@ -220,7 +243,13 @@ class Scheduler:
     def _claimed(self, trial: optuna.Trial, seed: int, prunable: bool = True,
                  repeats: int | None = None) -> Claim:
         store = self.store
-        params = store.call(space.suggest, trial, store.scenario.parameters)
+        try:
+            with warnings.catch_warnings():  # Optuna's "Fixed parameter ... out of range": said as the trial's reason
+                warnings.filterwarnings("ignore", message="Fixed parameter", category=UserWarning)
+                params = store.call(space.suggest, trial, store.scenario.parameters)
+            optuna.trial.create_trial(params=trial.params, distributions=trial.distributions, value=0.0)
+        except ValueError as exc:  # values queued from outside hpo (study.enqueue_trial) that the space lacks
+            raise OutsideSpace(trial.number, str(exc)) from None
         token = f"{store.scenario.name}:{trial.number}:{uuid.uuid4().hex[:12]}"
         store.set_system(trial.number, SYS_RUN, {"worker": self.worker, "host": HOST, "token": token,
                                                  "seed": self._seed, "trial_seed": seed, "claimed_at": time.time()})
@@ -274,8 +303,14 @@ class Scheduler:
         if not waiting:
             store.enqueue(space.searched(store.scenario.parameters, original.params), {ATTR_RERUN_OF: original.number})
             waiting = queued()
-        return self._claimed(store.claim_waiting(waiting[0]), default_seed if seed is None else seed, prunable=False,
-                             repeats=original.number)
+        try:
+            return self._claimed(store.claim_waiting(waiting[0]), default_seed if seed is None else seed,
+                                 prunable=False, repeats=original.number)
+        except OutsideSpace as exc:
+            store.record(exc.number, TrialResult(Outcome.FAIL, reason=f"not run: {exc.why}"),
+                         trial_folder(self._workdir, exc.number))
+            raise InputError(f"trial {original.number}: {exc.why}; hpo rerun runs a configuration of the "
+                             "scenario's search space") from None
 
     def _twin(self, trial: optuna.Trial) -> int | None:
         """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued

@@ -361,7 +361,7 @@ def optuna_url(url: str) -> str:
     if journal is None:
         return redact(url)
     return ("from optuna.storages.journal import JournalFileBackend, JournalStorage; "
-            f"storage = JournalStorage(JournalFileBackend({str(journal)!r}))")
+            f"storage = JournalStorage(JournalFileBackend({os.path.abspath(journal)!r}))")
 
 
 LOCK_WAIT_NOTED_S = 10.0  # a wait this long for the file lock is said, with its holder

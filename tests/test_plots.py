@@ -489,6 +489,22 @@ def test_a_frozen_study_keeps_the_trials_of_its_one_read_while_the_sweep_goes_on
     assert len(draw_all(copy, scenario(held_out=()), tmp_path)) == 5
 
 
+def test_a_trial_whose_values_lie_outside_its_distributions_is_left_out_and_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trial queued from Optuna with a value outside the range (enqueue_trial allows it, with
+    a warning) made hpo plot fail on the whole study with Optuna's ValueError."""
+    import warnings
+
+    study, _ = digits_study(trials=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        study.enqueue_trial({"dropout": 0.9})
+        study.optimize(lambda trial: trial.suggest_float("dropout", 0.0, 0.5), n_trials=1)
+    copy = frozen(study, study.get_trials(deepcopy=False))
+    assert [t.number for t in copy.trials] == [0, 1, 2]
+    assert "trial 3 left out of the charts: its values lie outside the search space" in caplog.text
+
+
 @pytest.mark.parametrize("failing", ["states", "slice"])
 def test_a_chart_that_cannot_be_written_is_named_and_left_out_whole(failing: str, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:

@@ -246,6 +246,26 @@ def test_seeds_of_design_points_and_retries_do_not_depend_on_which_trial_ends_fi
     assert seeds(tmp_path / "a", fail_first=True) == seeds(tmp_path / "b", fail_first=False)
 
 
+def test_a_trial_queued_from_optuna_outside_the_space_fails_with_why_and_the_sweep_goes_on(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """study.enqueue_trial with a value that is no choice made every hpo run crash with a
+    traceback (exit 1), the trial RUNNING for ever; one outside a range ran without a word."""
+    import warnings
+
+    scheduler = make(tmp_path, write_scenario, trials=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scheduler.store.study.enqueue_trial({"x": 0.5, "opt": "c"})
+        scheduler.store.study.enqueue_trial({"x": 7.0, "opt": "a"})
+    ran = claim(scheduler)
+    rows = scheduler.store.rows()
+    assert [(r.outcome, r.reason.split(": ", 1)[1]) for r in rows[:2]] == [
+        (Outcome.FAIL, "'c' not in ('a', 'b')."),
+        (Outcome.FAIL, ("The value 7.0 of parameter 'x' isn't contained in the distribution "
+                       "FloatDistribution(high=1.0, log=False, low=0.0, step=None)."))]
+    assert ran.number == 2 and 0 <= ran.params["x"] <= 1
+
+
 def test_a_trials_recorded_seed_is_its_claims_when_its_folder_is_gone(tmp_path: Path,
                                                                        write_scenario: WriteScenario) -> None:
     """hpo rerun N of a trial whose folder was gone took seed + N, which is not the seed a

@@ -324,13 +324,16 @@ def test_a_missing_driver_says_what_to_install_for_its_database(url: str, module
     assert str(raised.value) == f"--storage: the driver for {url.split(':')[0]} is not installed ({module}); {hint}"
 
 
-def test_optuna_url_for_journal_files_is_python_that_opens_them(tmp_path: Path) -> None:
+def test_optuna_url_for_journal_files_is_python_that_opens_them(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     assert optuna_url(f"sqlite:///{tmp_path}/s.db") == f"sqlite:///{tmp_path}/s.db"
     assert optuna_url("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
     code = optuna_url(f"journal:{tmp_path}/s.log")
     namespace: dict[str, Any] = {}
     exec(code, namespace)  # noqa: S102 (the printed line really opens the journal)
     assert isinstance(namespace["storage"], JournalStorage)
+    monkeypatch.chdir(tmp_path)  # a relative path is printed absolute: the line is pasted into Python elsewhere
+    assert f"JournalFileBackend('{tmp_path}/j.log')" in optuna_url("journal:j.log")
 
 
 class _Flaky:
