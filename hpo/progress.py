@@ -328,9 +328,9 @@ class ProgressView:
 def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], bool], every_s: float = 1.0) -> None:
     """Turn what the store shows into observer events until ``finished()`` (then once more).
 
-    For watching workers in other processes: a trial seen RUNNING is ``started`` (where it runs
-    in the words its worker recorded, ``1 process on 1/2 of GPU 2``), a trial
-    seen ended is ``finished`` (a LOST one with its worker and the trial queued to run it
+    For watching workers in other processes: a trial seen RUNNING, or seen ended that had started
+    (it ran between two reads), is ``started`` (where it runs in the words its worker recorded,
+    ``1 process on 1/2 of GPU 2``), a trial seen ended is ``finished`` (a LOST one with its worker and the trial queued to run it
     again); each event is sent once.
     """
     from hpo.engine import TrialEnd, TrialStart
@@ -343,7 +343,8 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
         rows = store.rows()
         again = queued_again(rows)
         for row in rows:
-            if row.outcome is Outcome.RUNNING and row.number not in started:
+            if (row.outcome is Outcome.RUNNING or row.outcome.ended and row.number not in ended and row.slot is not None) \
+                    and row.number not in started:  # a trial that ran between two reads: started, then ended
                 started.add(row.number)
                 where = row.where or (f"GPUs {gpu_cell(row.gpus, share)}" if row.gpus else "")  # older records
                 observer.started(TrialStart(row.number, row.params, -1 if row.slot is None else row.slot, where,

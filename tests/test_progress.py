@@ -158,6 +158,30 @@ def test_workers_start_lines_say_where_the_trial_runs_as_a_single_run_does(tmp_p
                                            "trial 5 started on slot 0 (GPUs 2 (1/2)): x=0.5"]
 
 
+def test_a_trial_that_ran_between_two_reads_is_said_started_then_ended(tmp_path: Path,
+                                                                        write_scenario: WriteScenario) -> None:
+    """hpo run --workers K read the store once a second: a trial shorter than that had no
+    'started' line (about 40 % of them in a sweep of short trials)."""
+    scenario = load_scenario(write_scenario(tmp_path))
+    done = TrialRow(number=0, outcome=Outcome.COMPLETE, params={"x": 0.5}, value=0.25, held_out={}, duration_s=0.2,
+                    folder="trial-0", reason="", slot=1, where="1 CPU process of 1 thread")
+    never = replace(done, number=1, outcome=Outcome.INTERRUPTED, value=None, slot=None, where="", reason="not run")
+    store = Store(scenario)
+    out = io.StringIO()
+    view = ProgressView(store, 8, "2 slots", Console(file=out, width=300))  # type: ignore[arg-type]
+    reads = iter([False, True])
+
+    def finished() -> bool:
+        store._rows = [done, never]
+        return next(reads)
+
+    follow_store(store, view, finished, every_s=0)  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "trial 0 started on slot 1 (1 CPU process of 1 thread): x=0.5", lines
+    assert lines[1].startswith("trial 0 COMPLETE") and lines[2].startswith("trial 1 INTERRUPTED"), lines
+    assert len(lines) == 3, lines
+
+
 def test_trials_done_past_a_lowered_budget_are_said_plainly() -> None:
     """``search.trials`` lowered below what ran: not ``6/2``, but the count and the budget reached."""
     rows = [_row(n, 0.3 - n / 100) for n in range(6)]
