@@ -21,7 +21,7 @@ def test_a_dask_wait_of_a_worker_reaches_the_screen_once(tmp_path: Path, write_s
     dask = LocalDask(tmp_path / "dask")
     try:
         dask.worker("gpu", 1, gpus="0,1", resources="GPU=2")
-        path = write_scenario(tmp_path, resources={"gpus_per_trial": 4})
+        path = write_scenario(tmp_path, resources={"gpus_per_trial": 4, "parallel": 2})
         run = subprocess.Popen([sys.executable, "-m", "hpo", "run", str(path), "--workers", "2", "--cluster",
                                 dask.address], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: list[str] = []
