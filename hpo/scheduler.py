@@ -26,7 +26,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,8 @@ class Scheduler:
                 store.enqueue(space.searched(store.scenario.parameters, point),
                               {ATTR_DESIGN_INDEX: self._numbers[index]})
             trial = store.ask(queued_only=self._design is not None)
-        twin = self._twin(trial)
+        attrs = trial.user_attrs
+        twin = self._twin(trial, attrs)
         if twin is not None:
             store.record(trial.number, TrialResult(
                 Outcome.INTERRUPTED, reason=f"not run: it was queued twice in a store outage, and trial {twin} runs it"),
@@ -225,7 +226,7 @@ class Scheduler:
         repeats = None if row is None else repeat_of(row)
         if row is not None and row.requeue_of is not None and row.retry_of is None:  # no fault of its own
             return self._claimed(trial, self._recorded_seed(trials, row.requeue_of, None), repeats=repeats)
-        point = trial.user_attrs.get(ATTR_DESIGN_INDEX) if row is None else row.design_index
+        point = attrs.get(ATTR_DESIGN_INDEX) if row is None else row.design_index
         return self._claimed(trial, self._own_seed(point, 0 if row is None else row.retries, rows, trial.number),
                              repeats=repeats)
 
@@ -312,15 +313,14 @@ class Scheduler:
             raise InputError(f"trial {original.number}: {exc.why}; hpo rerun runs a configuration of the "
                              "scenario's search space") from None
 
-    def _twin(self, trial: optuna.Trial) -> int | None:
+    def _twin(self, trial: optuna.Trial, attrs: Mapping[str, Any]) -> int | None:
         """A standing trial (:func:`hpo.rows.standing`) numbered below the claimed queued
         ``trial`` that covers what it was queued for (the same design point, else the same lost
         or failed trial's configuration), read after the claim; None if there is none.
 
         Two copies exist only when a worker queued one while its ask lock had been lost in an
         outage unseen: the higher-numbered copy must not run, whatever the interleaving. The
-        trial a copy was requeued from is no twin: it is being ended."""
-        attrs = trial.user_attrs
+        trial a copy was requeued from is no twin: it is being ended. ``attrs``: its user attributes."""
         index, origin = attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF)
         if index is None and origin is None:
             return None
