@@ -810,7 +810,7 @@ class DaskExecutor:
         self._grows = grows
         if parallel is None and "parallel" in self._resources.model_fields_set:
             parallel = self._resources.parallel if isinstance(self._resources.parallel, int) else None
-            parallel_allows(parallel is not None, self._resources.parallel, at_least)
+            parallel_allows(parallel, at_least)
         count = max(at_least, parallel if parallel is not None else self.capacity())
         self._auto_slots = count if parallel is None and self._capacity is None else None
         return tuple(Slot(i, (), self.demand.processes, 1, self.demand.share) for i in range(count))

@@ -143,8 +143,8 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     A trial's processes are :attr:`Resources.gpus_and_processes`' (one under ``torchrun:
     false``), and its threads take the cores of its slot. ``at_least`` slots are planned even
     where ``parallel`` is ``auto`` or left out (``--workers K`` gives each worker a slot), up
-    to the cores on a machine without GPUs; an InputError names the setting that cannot be met
-    (a number given for ``parallel`` below ``at_least`` included) (``gpus_field``: where
+    to the cores on a machine without GPUs. An InputError names the setting that cannot be met,
+    a number given for ``parallel`` below ``at_least`` included (``gpus_field``: where
     ``resources.gpus`` came from, e.g. ``--gpus``). ``threads`` per process, where given
     (the scenario's ``env``: :func:`env_threads`), replace the division.
     """
@@ -153,11 +153,7 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
     wanted = resources.parallel
     share = resources.share
     per_trial, processes = resources.gpus_and_processes
-    asked = "parallel" in resources.model_fields_set and wanted != "auto"  # a number the scenario gives
-    if not ids and not asked and at_least > cpus:
-        raise InputError(f"--workers {at_least}: hpo may run on {plural(cpus, 'core')} here, and each worker runs at "
-                         f"least one trial at a time; use --workers {cpus} or fewer, or set resources.parallel "
-                         "to the trials to run at once")
+    given = wanted if "parallel" in resources.model_fields_set and wanted != "auto" else None  # a number set
     if ids:
         if resources.gpus_per_trial == "auto":
             per_trial = min(per_trial, len(ids))
@@ -177,21 +173,25 @@ def plan_slots(resources: Resources, gpus: Sequence[int], cpu_count: int | None 
             raise InputError(f"--workers {at_least}: this machine runs {plural(room, 'trial')} at a time "
                              f"({plural(len(ids), 'GPU')}, gpus_per_trial {resources.gpus_per_trial}); "
                              f"{_more_at_once(resources, len(ids), at_least, room)}")
-        parallel_allows(asked, wanted, at_least)
+        parallel_allows(given, at_least)
         groups = [ids[i * per_trial:(i + 1) * per_trial] for i in range(len(ids) // per_trial)]
         assigned = [groups[i % len(groups)] for i in range(count)]
     else:
-        parallel_allows(asked, wanted, at_least)
+        parallel_allows(given, at_least)
+        if given is None and at_least > cpus:
+            raise InputError(f"--workers {at_least}: hpo may run on {plural(cpus, 'core')} here, and each worker runs "
+                             f"at least one trial at a time; use --workers {cpus} or fewer, or set resources.parallel "
+                             "to the trials to run at once")
         count = max(at_least, cpus // processes) if wanted == "auto" else max(wanted, at_least)
         assigned = [()] * count
     threads = threads or max(1, cpus // (count * processes))
     return tuple(Slot(i, tuple(group), processes, threads, share if ids else 1) for i, group in enumerate(assigned))
 
 
-def parallel_allows(asked: bool, parallel: int | str, workers: int) -> None:
-    """Raise InputError where the scenario ``asked`` for ``parallel`` trials at once, fewer than
-    ``workers`` (``--workers``), each of which runs at least one."""
-    if asked and workers > int(parallel):
+def parallel_allows(parallel: int | None, workers: int) -> None:
+    """Raise InputError where the scenario gives ``parallel`` (None: ``auto`` or left out) as
+    fewer trials at once than ``workers`` (``--workers``), each of which runs at least one."""
+    if parallel is not None and workers > parallel:
         raise InputError(f"--workers {workers}: resources.parallel is {parallel}, and each worker runs at least one "
                          f"trial at a time; use --workers {parallel} or fewer, or raise resources.parallel")
 

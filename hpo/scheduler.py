@@ -175,9 +175,8 @@ class Scheduler:
             try:
                 return self._claim(mine)
             except OutsideSpace as exc:
-                self.store.record(exc.number, TrialResult(
-                    Outcome.FAIL, reason=f"its values are not of the scenario's search space (queued from outside "
-                                         f"hpo?): {exc.why}"), trial_folder(self._workdir, exc.number))
+                self._not_run(exc.number, Outcome.FAIL, f"its values are not of the scenario's search space (queued "
+                                                        f"from outside hpo?): {exc.why}")
 
     def _claim(self, mine: Container[int]) -> Claim | str | None:
         """The next trial for a slot; :data:`WAIT` while only other workers' running trials
@@ -214,9 +213,8 @@ class Scheduler:
         attrs = trial.user_attrs
         twin = self._twin(trial, attrs)
         if twin is not None:
-            store.record(trial.number, TrialResult(
-                Outcome.INTERRUPTED, reason=f"not run: it was queued twice in a store outage, and trial {twin} runs it"),
-                trial_folder(self._workdir, trial.number))
+            self._not_run(trial.number, Outcome.INTERRUPTED,
+                          f"not run: it was queued twice in a store outage, and trial {twin} runs it")
             return self._claim(mine)
         row = by_number.get(trial.number)
         if row is not None and row.rerun_of is not None:
@@ -229,6 +227,10 @@ class Scheduler:
         point = attrs.get(ATTR_DESIGN_INDEX) if row is None else row.design_index
         return self._claimed(trial, self._own_seed(point, 0 if row is None else row.retries, rows, trial.number),
                              repeats=repeats)
+
+    def _not_run(self, number: int, outcome: Outcome, reason: str) -> None:
+        """Record claimed trial ``number``, which will not run, as ``outcome`` for ``reason``."""
+        self.store.record(number, TrialResult(outcome, reason=reason), trial_folder(self._workdir, number))
 
     def _own_seed(self, point: int | None, retries: int, rows: list[TrialRow], number: int) -> int:
         """The ``trial_seed`` of trial ``number``, a try of its own: of design point ``point``
@@ -308,8 +310,7 @@ class Scheduler:
             return self._claimed(store.claim_waiting(waiting[0]), default_seed if seed is None else seed,
                                  prunable=False, repeats=original.number)
         except OutsideSpace as exc:
-            store.record(exc.number, TrialResult(Outcome.FAIL, reason=f"not run: {exc.why}"),
-                         trial_folder(self._workdir, exc.number))
+            self._not_run(exc.number, Outcome.FAIL, f"not run: {exc.why}")
             raise InputError(f"trial {original.number}: {exc.why}; hpo rerun runs a configuration of the "
                              "scenario's search space") from None
 
