@@ -225,14 +225,23 @@ def _folder_paths(template: Path, workdir: Path | None = None) -> list[Path]:
     """Every path below the template folder ``template``, sorted, ``__pycache__`` left out, and
     so are ``workdir`` and any other study's workdir (a folder holding :data:`WORKDIR_OWNER`):
     with ``template: .`` the default workdir ``runs/<name>`` lies inside it, and each trial
-    folder took a copy of the study's store and of every earlier trial. A linked folder is
-    listed, and not entered."""
-    paths = sorted(template.rglob("*"))  # rglob lists a linked folder, and does not enter it
-    studies = {path.parent for path in paths if path.name == WORKDIR_OWNER and not path.is_symlink()}
-    if workdir is not None:
-        studies.add(Path(os.path.abspath(workdir)))
-    return [path for path in paths if "__pycache__" not in path.relative_to(template).parts
-            and not any(Path(os.path.abspath(path)).is_relative_to(study) for study in studies)]
+    folder took a copy of the study's store and of every earlier trial. A folder left out is
+    not entered (a workdir holds thousands of trials); a linked folder is listed, and not
+    entered."""
+    workdir_path = None if workdir is None else os.path.abspath(workdir)
+
+    def study(folder: str) -> bool:
+        marker = os.path.join(folder, WORKDIR_OWNER)
+        return os.path.abspath(folder) == workdir_path or (os.path.isfile(marker) and not os.path.islink(marker))
+
+    if study(str(template)) or (workdir_path is not None and Path(os.path.abspath(template)).is_relative_to(workdir_path)):
+        return []
+    paths = []
+    for folder, folders, files in os.walk(template):  # lists a linked folder, and does not enter it
+        folders[:] = [name for name in folders if name != "__pycache__"
+                      and (os.path.islink(os.path.join(folder, name)) or not study(os.path.join(folder, name)))]
+        paths += [Path(folder, name) for name in (*folders, *files) if name != "__pycache__"]
+    return sorted(paths)
 
 
 def left_out_links(templates: Sequence[Path], workdir: Path | None = None) -> list[str]:
