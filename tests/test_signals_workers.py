@@ -87,6 +87,18 @@ def started_epoch(path: Path, number: int) -> float:
     return float(store.trial(number).system_attrs[SYS_STARTED]["at"])
 
 
+def running_children(pid: int) -> list[psutil.Process]:
+    """The processes ``pid`` started that still run (a child that ended is a zombie until
+    its parent, paused, reaps it)."""
+    running = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    running.append(child)
+    return running
+
+
 def run_two_workers_until_a_trial_runs(path: Path) -> tuple[subprocess.Popen[str], int, int]:
     """``hpo run --workers 2`` on ``path``, once a trial's process runs: the run, the trial's
     number and its worker's pid."""
@@ -131,8 +143,9 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
     deadline = time.monotonic() + 60
     freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
     frozen_at = time.time()
-    try:
-        while not any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path)):
+    try:  # paused until the trial is judged lost and its process has ended (slow to start on a loaded machine)
+        while not (any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path))
+                   and not running_children(pid)):
             assert time.monotonic() < deadline + 60
             time.sleep(0.2)
     finally:
