@@ -1305,6 +1305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hpo.errors import ExecutorUnavailable, StoreUnavailable
 
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if getattr(args, "handler", None) is None:
@@ -1321,11 +1322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with refusals_raised():
             return int(args.handler(args))
     except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_located(str(exc), args)}", file=sys.stderr)
         return EXIT_INPUT
     except StoreUnavailable as exc:
         kept = "; results of finished trials are kept in their folders and recorded on resume" \
-            if args.handler in (cmd_run, cmd_worker, cmd_rerun) else ""
+            if getattr(args, "handler", None) in (cmd_run, cmd_worker, cmd_rerun) else ""
         print(f"error: {exc}{kept}", file=sys.stderr)
         return EXIT_ERROR
     except ExecutorUnavailable as exc:
@@ -1353,6 +1354,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _located(message: str, args: argparse.Namespace | None) -> str:
+    """An error ``message``, led by the scenario file's name where it names a field of the
+    scenario the command was given (:func:`hpo.errors.in_scenario`)."""
+    from hpo.errors import in_scenario
+    from hpo.scenario import Scenario
+
+    scenario = getattr(args, "scenario", None)
+    if not isinstance(scenario, str):
+        return message
+    return in_scenario(message, Path(scenario).name, [field for field in Scenario.model_fields if field != "path"])
 
 
 def _stdout_gone() -> None:

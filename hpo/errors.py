@@ -2,6 +2,8 @@
 that is gone (exit 1)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,6 +16,15 @@ class InputError(Exception):
     The message is one line that names the field (or file and line) and what is wrong;
     the CLI prints it as ``error: <message>`` and exits with code 2.
     """
+
+
+def in_scenario(message: str, file_name: str, fields: Iterable[str]) -> str:
+    """``message`` led by the scenario file's name where it starts with one of the scenario's
+    ``fields`` (``command: ...``, ``resources.cluster.kind: ...``), as the errors found while
+    the file is read are: a check made after reading (a template, the command, the GPUs) names
+    the file as well as the field."""
+    names = "|".join(re.escape(field) for field in fields)
+    return f"{file_name}: {message}" if re.match(rf"(?:{names})[.:]", message) else message
 
 
 class ExecutorUnavailable(Exception):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from hpo.errors import in_scenario
+from hpo.scenario import Scenario
 
 WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -216,6 +220,8 @@ def assert_input_error(result: subprocess.CompletedProcess[str], *expect: str) -
     assert lines[0].startswith("error: "), lines[0]
     for text in expect:
         assert text in lines[0], (text, lines[0])
+    fields = "|".join(field for field in Scenario.model_fields if field != "path")
+    assert not re.match(rf"error: ({fields})[.:]", lines[0]), f"a scenario's field without its file: {lines[0]}"
 
 
 @dataclass(frozen=True)
@@ -341,3 +347,13 @@ def test_version(run_cli: RunCli) -> None:
 
 def test_status_before_any_run(tmp_path: Path, write_scenario: WriteScenario, run_cli: RunCli) -> None:
     assert_input_error(run_cli("status", write_scenario(tmp_path)), "no study named demo", "hpo run")
+
+
+def test_a_field_is_named_with_its_scenario_file_wherever_it_was_checked() -> None:
+    """A check made after the scenario was read (the command, the GPUs, a Slurm job) names the
+    file as the checks made while reading do; a flag, a trial or a template keeps its own name."""
+    fields = ("command", "resources", "search")
+    assert in_scenario("resources.cluster.kind: no sbatch", "s.yaml", fields) == "s.yaml: resources.cluster.kind: no sbatch"
+    assert in_scenario("command: train.py not found", "s.yaml", fields) == "s.yaml: command: train.py not found"
+    for message in ("--workers 3: too many", "trial 4: no log", "template a.py.j2 line 2: x", "commander: x"):
+        assert in_scenario(message, "s.yaml", fields) == message

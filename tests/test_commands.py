@@ -78,7 +78,7 @@ def test_a_study_of_the_same_name_in_another_store_may_not_take_a_workdir(tmp_pa
         other = f"sqlite:///{tmp_path / (command[0] + str(len(command)))}.db"
         refused = run_hpo(*command[:1], scenario, *command[1:], "--storage", other)
         assert refused.returncode == 2, (command, refused.stdout, refused.stderr)
-        assert re.fullmatch(rf"error: workdir: {workdir} holds the trial folders of another study named demo \(created "
+        assert re.fullmatch(rf"error: scenario.yaml: workdir: {workdir} holds the trial folders of another study named demo \(created "
                             rf"\S+ [0-9a-f]{{8}}\), not the one in {re.escape(other)}; give this one a folder of its "
                             rf"own \(--workdir\), or remove {workdir} if those trials are not wanted\n", refused.stderr), \
             refused.stderr

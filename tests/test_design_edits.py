@@ -185,5 +185,5 @@ def test_a_widened_grid_is_refused(tmp_path: Path, write_scenario: WriteScenario
     path.write_text(path.read_text().replace("low: 0.2", "low: 0.0").replace("trials: 2", "trials: 5"))
     refused = run_cli("run", path, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: parameters.x: the grid changed: its point ")
+    assert refused.stderr.startswith("error: scenario.yaml: parameters.x: the grid changed: its point ")
     assert refused.stderr.endswith(f", {GRID_HOW}\n")

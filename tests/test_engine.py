@@ -349,7 +349,7 @@ def test_resuming_in_a_changed_space_is_refused_unless_allowed(tmp_path: Path) -
     (tmp_path / "trial.py.j2").write_text(SLEEPY.replace("{{ x }}", "{{ width }}"))
     refused = hpo("run", str(renamed), "--workdir", str(tmp_path / "runs" / "sweep"))
     assert refused.returncode == 2
-    assert refused.stderr.strip().startswith("error: parameters.x: the study's trials have this parameter, the "
+    assert refused.stderr.strip().startswith("error: renamed.yaml: parameters.x: the study's trials have this parameter, the "
                                              "scenario no longer (renamed to width?)")
     allowed = hpo("run", str(renamed), "--workdir", str(tmp_path / "runs" / "sweep"), "--allow-space-change")
     assert allowed.returncode == 0, allowed.stderr

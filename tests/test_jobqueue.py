@@ -87,5 +87,5 @@ def test_batch_jobs_that_cannot_be_submitted_from_here_are_bad_input(
     if hpo_command == "validate":  # the job script is printed, as anywhere, with the note
         assert done.returncode == 0 and done.stdout.endswith(f"\nnote: {said}\n"), done.stdout + done.stderr
     else:
-        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"error: {said}\n")
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", f"error: scenario.yaml: {said}\n")
     assert not (tmp_path / "s" / "runs").exists()

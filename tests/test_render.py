@@ -406,7 +406,7 @@ def test_validate_and_run_refuse_a_placeholder_in_the_command(tmp_path: Path, wr
     path = write_scenario(tmp_path, command="python train.py x={{ x }}")
     done = run_cli(command, path, cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr == f"error: command: {{{{ x }}}} {NOT_RUN}; {FLAG_HINT}\n"
+    assert done.stderr == f"error: scenario.yaml: command: {{{{ x }}}} {NOT_RUN}; {FLAG_HINT}\n"
     assert not list(tmp_path.glob("**/trial-*"))
 
 

@@ -346,7 +346,7 @@ def test_template_is_optional(tmp_path: Path, write_scenario: WriteScenario, run
     assert run_cli("validate", path, cwd=tmp_path).returncode == 0
     result = run_cli("validate", write_scenario(tmp_path, drop=("template",), template_text=None), cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith("error: command: train.py is neither a file of the trial folder"), result.stderr
+    assert result.stderr.startswith("error: scenario.yaml: command: train.py is neither a file of the trial folder"), result.stderr
 
 
 @pytest.mark.parametrize(("data", "line", "byte"), [

@@ -110,7 +110,7 @@ def test_a_changed_choice_is_refused_before_the_study_is_touched(
     old = write(["a", "b"], 2)
     assert run_cli("run", old).returncode == 0
     added = write(["a", "b", "c"], 3)
-    expected = ("error: parameters.opt: choices changed from ['a', 'b'] to ['a', 'b', 'c']: the study "
+    expected = ("error: scenario.yaml: parameters.opt: choices changed from ['a', 'b'] to ['a', 'b', 'c']: the study "
                 "demo stored its trials with the old distribution, which an Optuna study cannot change; use another "
                 "name for a new study (--allow-space-change cannot override this)")
     for flags in ((), ("--allow-space-change",)):
