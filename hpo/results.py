@@ -23,8 +23,9 @@ step (``1.5``, ``-1``, ``NaN``, ``"2"``) is ignored and :meth:`MetricParser.feed
 that another report may already hold.
 
 Scripts that cannot be edited are read with ``patterns``, a regular expression with one
-group per metric (``'Average loss: ([0-9.]+)'``), searched in every whole line (progress
-output included); the last match wins. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets
+group per metric (``'Average loss: ([0-9.]+)'``), searched in every line, progress output
+included; the last match wins. A line that a progress bar rewrote with carriage returns is
+read update by update, so its last update wins there too. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets
 the current step: each objective value after it, a match of the objective's pattern or a
 line in a built-in format without ``step``, is also an intermediate value at that step. A
 step match that is not a step as above is refused the same way and leaves no current step
@@ -301,7 +302,8 @@ class MetricParser:
         self._smac_extra = ""
 
     def feed(self, line: str) -> MetricLine | None:
-        """Parse one line; return what it reported, or None for an ordinary log line.
+        """Parse one line, each of its updates in turn where a progress bar rewrote it with
+        carriage returns; return what its last report said, or None for an ordinary log line.
 
         The returned line has a ``step`` when it is an intermediate report: a line with a
         ``step`` key, or an objective value (a pattern match or a built-in format's) after a
@@ -311,8 +313,8 @@ class MetricParser:
 
         Raises:
             StepError: the line's step (its ``step`` key or the step pattern's match) is not a
-                whole number from 0 to :data:`LARGEST_STEP`; the line is ignored, and a refused step
-                match leaves no current step.
+                whole number from 0 to :data:`LARGEST_STEP`; that update is ignored (the line's
+                others are read), and a refused step match leaves no current step.
         """
         text = (_ANSI.sub("", line) if "\x1b" in line else line).strip()
         prefix = _RANK_PREFIX.match(text)  # torchrun --tee: [default0]:{"val_error": 0.1}
@@ -320,6 +322,18 @@ class MetricParser:
             if int(prefix.group(1)) != 0:  # another rank's copy of what rank 0 reports
                 return None
             text = text[prefix.end():]
+        reported, refused = None, None
+        for update in text.split("\r"):  # a progress bar's updates, each read in its turn
+            try:
+                reported = self._feed_update(update.strip()) or reported
+            except StepError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+        return reported
+
+    def _feed_update(self, text: str) -> MetricLine | None:
+        """:meth:`feed` for one update of a line (the text between carriage returns)."""
         if not text:
             return None
         self._match_step(text)

@@ -21,6 +21,7 @@ from hpo.executor import judge
 from hpo.results import (
     ERROR_LINE_CHARS,
     RESERVED_ATTRS,
+    MetricLine,
     MetricParser,
     Metrics,
     StepError,
@@ -100,7 +101,6 @@ ORDINARY_LINES = [
     "progress: 67% val_error=0.3",
     "Epoch 2 | 67% | val_error=0.3",
     "67%|██████▋   | val_error=0.3",
-    "val_error=0.3\rEpoch 1 done",
 ]
 
 
@@ -257,6 +257,34 @@ def test_progress_output_before_a_metric_is_skipped(line: str, values: dict[str,
     reported = MetricParser("val_error").feed(line + "\n")
     assert reported is not None
     assert (dict(reported.values), reported.step) == (values, step)
+
+
+def test_a_line_rewritten_by_a_progress_bar_is_read_update_by_update_as_the_whole_output_is() -> None:
+    """tqdm or Lightning sends its updates to a pipe as one line parted by carriage returns: the
+    value the bar ends on is recorded (the first update's was), every step matched reaches the
+    pruner's record (only the first did), and a live read agrees with :func:`parse_text`."""
+    bar = "".join(f"\rEpoch {i}: {i * 10:3d}%|{'#' * i:10s}| {i}/10 [00:0{i}<00:00, val_loss={1.0 - i * 0.05:.3f}]"
+                  for i in range(1, 11))
+    for patterns, step_pattern in (({"val_loss": r"val_loss=([0-9.]+)"}, None),
+                                   ({"val_loss": r"val_loss=([0-9.]+)"}, r"Epoch (\d+):")):
+        parser = MetricParser("val_loss", patterns, step_pattern)
+        reported = parser.feed(bar + "\n")
+        assert reported is not None and reported.values == {"val_loss": 0.5}
+        metrics = parser.metrics()
+        assert metrics.final == {"val_loss": 0.5} == parse_text(bar, "val_loss", patterns, step_pattern).final
+        if step_pattern:
+            assert reported.step == 10
+            assert metrics.intermediate == tuple((i, {"val_loss": pytest.approx(1.0 - i * 0.05)}) for i in range(1, 11))
+            assert metrics.intermediate == parse_text(bar, "val_loss", patterns, step_pattern).intermediate
+    overwritten = MetricParser("val_error")
+    assert overwritten.feed("val_error=0.3\rEpoch 1 done\n") == MetricLine(values={"val_error": 0.3})
+
+
+def test_a_refused_step_in_one_update_leaves_the_others_read() -> None:
+    parser = MetricParser("loss", {"loss": r"loss=([0-9.]+)"}, r"Epoch (\S+):")
+    with pytest.raises(StepError):
+        parser.feed("\rEpoch 1: loss=0.5\rEpoch x1.5: loss=0.4\rEpoch 3: loss=0.3\n")
+    assert parser.metrics().intermediate == ((1, {"loss": 0.5}), (3, {"loss": 0.3}))
 
 
 def test_patterns_still_search_the_whole_line() -> None:
