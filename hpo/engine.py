@@ -166,9 +166,10 @@ def preflight(renderer: Renderer, workdir: Path, design: list[dict[str, Any]] | 
             values = " ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
                               for name, value in sample.items())
             raise InputError(f"{exc} (with {values})") from None
-    check_command(scenario.command, renderer.names)
+    check_command(scenario.command, renderer.names, unexecutable=renderer.unexecutable)
     if scenario.objective.post_process:
-        check_command(scenario.objective.post_process, renderer.names, field="objective.post_process")
+        check_command(scenario.objective.post_process, renderer.names, field="objective.post_process",
+                      unexecutable=renderer.unexecutable)
 
 
 def preflight_samples(params: Mapping[str, Param], design: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

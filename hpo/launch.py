@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,11 +262,13 @@ def _switch(param: Any) -> bool:
     return all(isinstance(choice, bool) for choice in param.choices)
 
 
-def check_command(command: Sequence[str], files: Sequence[str], field: str = "command") -> None:
+def check_command(command: Sequence[str], files: Sequence[str], field: str = "command",
+                  unexecutable: Collection[str] = ()) -> None:
     """Raise InputError naming ``field`` unless ``command`` can run in the trial folder.
 
     Its program must be ``python`` (this interpreter), a name on PATH, or a path to a file of
-    the trial folder (``./run.sh``) or an existing absolute path; the script it runs (what
+    the trial folder (``./run.sh``) that is not one of ``unexecutable`` (those without the
+    execute bit) or an existing executable absolute path; the script it runs (what
     ``python`` runs, else the first ``.py`` argument without whitespace that is not a ``-c``
     string) must be a file of the trial folder or an existing absolute path. ``files`` are
     the trial folder's files before the run.
@@ -277,6 +279,10 @@ def check_command(command: Sequence[str], files: Sequence[str], field: str = "co
     else:
         if "/" in program and not _exists(program, files):
             raise InputError(f"{field}: program {program} is neither a file of the trial folder nor an existing path")
+        if "/" in program and _not_executable(program, unexecutable):
+            runner = "python" if program.endswith(".py") else "sh"
+            raise InputError(f"{field}: program {program} is not executable (it lacks the execute bit): chmod +x "
+                             f"the file, or run it with its interpreter ({runner} {program})")
         if "/" not in program and not shutil.which(program):
             if program in files:
                 raise InputError(f"{field}: {program} is not on PATH; write ./{program} to run the trial folder's file")
@@ -311,6 +317,15 @@ def _python_script(args: Sequence[str]) -> str | None:
         else:
             return None if arg == "-" else arg
     return None
+
+
+def _not_executable(program: str, unexecutable: Collection[str]) -> bool:
+    """Whether ``program`` (a path that exists, see :func:`_exists`) cannot be executed: one
+    of the trial folder's ``unexecutable`` files, or an absolute path without the execute bit."""
+    if os.path.normpath(program) in unexecutable:
+        return True
+    path = Path(program)
+    return path.is_absolute() and path.is_file() and not os.access(path, os.X_OK)
 
 
 def _exists(path: str, files: Sequence[str]) -> bool:

@@ -470,6 +470,13 @@ class Renderer:
             for _, render, template in self._renderers if render is not None)
 
     @property
+    def unexecutable(self) -> frozenset[str]:
+        """The names of the trial folder's files that no one may execute (their templates'
+        modes are kept: a script without the execute bit cannot be the command's program)."""
+        return frozenset(name for name, _, template in self._renderers
+                         if name not in self._links and not template.stat().st_mode & 0o111)
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The names of the files the templates become in a trial folder."""
         return tuple(name for name, _, _ in self._renderers)

@@ -186,6 +186,22 @@ def test_check_command_names_the_field() -> None:
         check_command(["python", "prase.py"], ["parse.py"], field="objective.post_process")
 
 
+def test_a_program_without_the_execute_bit_is_refused(tmp_path: Path) -> None:
+    """A script that arrived without its execute bit passed the check, then every trial failed
+    with 'cannot start ./run.sh: Permission denied'."""
+    with pytest.raises(InputError, match=r"^command: program ./run.sh is not executable \(it lacks the execute bit\): "
+                                         r"chmod \+x the file, or run it with its interpreter \(sh ./run.sh\)$"):
+        check_command(["./run.sh"], ["run.sh"], unexecutable={"run.sh"})
+    check_command(["sh", "./run.sh"], ["run.sh"], unexecutable={"run.sh"})
+    check_command(["./run.sh"], ["run.sh", "other.sh"], unexecutable={"other.sh"})
+    outside = tmp_path / "train.py"
+    outside.write_text("print(1)\n")
+    with pytest.raises(InputError, match=r"is not executable .*\(python .*train.py\)$"):
+        check_command([str(outside)], [])
+    outside.chmod(0o755)
+    check_command([str(outside)], [])
+
+
 def test_build_argv_does_not_change_its_input() -> None:
     command = ["python", "train.py"]
     sc = scenario(command, {"lr": 1.0}, True)

@@ -100,6 +100,9 @@ def test_trials_optional_for_csv_and_grid(method: str) -> None:
         ("python 'my script.py' --tag \"a b\"", ("python", "my script.py", "--tag", "a b")),
         (["python", "a b.py"], ("python", "a b.py")),
         ("./run.sh", ("./run.sh",)),
+        ("python ~/x/train.py --out ~ --tag a~b", ("python", str(Path.home() / "x" / "train.py"), "--out",
+                                                    str(Path.home()), "--tag", "a~b")),
+        (["python", "~/as-given.py"], ("python", "~/as-given.py")),
     ],
 )
 def test_command_is_split_like_a_shell(tmp_path: Path, write_scenario: WriteScenario, command: Any,
@@ -212,7 +215,9 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         ({"parameters": {"m": {"type": "categorical", "choices": ["b", "c"], "condition": {"opt": "a"}},
                          "y": {"type": "float", "low": 0, "high": 1, "condition": {"opt": "b", "m": "c"}}}},
          "parameters.y.condition: it can never hold: its parents' own conditions want other values"),
-        ({"name": "bad name!"}, "name: String should match pattern"),
+        ({"name": "bad name!"}, "name: 'bad name!' is not a study name: a letter or digit, then letters"),
+        ({"seed_flag": "seed"}, "seed_flag: 'seed' is not a flag: - or -- and a letter or digit"),
+        ({"parameters": {"x": {"type": "float", "low": 0, "high": 1, "flag": "--l r"}}}, "parameters.x.flag: '--l r' is not a flag: "),
         ({"command": "python 'unclosed"}, "command: cannot split the command"),
         ({"command": []}, "command: the command is empty"),
         ({"search": {"method": "grid", "csv": "d.csv"}}, "search.csv: only method csv reads a CSV"),
@@ -534,3 +539,19 @@ def test_the_walltimes_each_batch_system_takes_pass(tmp_path: Path, write_scenar
         cluster = {**SLURM, "kind": kind, "walltime": walltime}
         assert load_scenario(write_scenario(tmp_path, resources={"cluster": cluster})).resources.cluster.walltime \
             == walltime
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_program_that_lost_its_execute_bit_is_bad_input(tmp_path: Path, write_scenario: WriteScenario,
+                                                            run_cli: RunCli, command: str) -> None:
+    """validate said ok and run spent the budget: every trial failed 'Permission denied'."""
+    path = write_scenario(tmp_path, template=["run.sh"], command="./run.sh",
+                          files={"run.sh": "#!/bin/sh\necho val_error=0.3\n"})
+    (tmp_path / "run.sh").chmod(0o644)
+    result = run_cli(command, path, cwd=tmp_path)
+    said = ("error: scenario.yaml: command: program ./run.sh is not executable (it lacks the execute bit): chmod +x "
+            "the file, or run it with its interpreter (sh ./run.sh)\n")
+    assert (result.returncode, result.stderr) == (2, said)
+    assert not list(tmp_path.glob("runs/*/trial-*"))
+    (tmp_path / "run.sh").chmod(0o755)
+    assert run_cli("validate", path, cwd=tmp_path).returncode == 0
