@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import shlex
 from decimal import Decimal
@@ -304,10 +305,13 @@ def _one_group_problem(pattern: str) -> str | None:
 
 
 def _shell_split(value: Any) -> Any:
-    """Split a command string like a shell would; refuse an empty command."""
+    """Split a command string like a shell would, a word that starts with ``~/`` (or is
+    ``~``) expanded to the home folder as a shell does; refuse an empty command. A list is the
+    argument list as it is."""
     if isinstance(value, str):
         try:
-            value = shlex.split(value)
+            value = [os.path.expanduser(word) if word == "~" or word.startswith("~/") else word
+                     for word in shlex.split(value)]
         except ValueError as exc:
             raise ValueError(f"cannot split the command: {exc}") from None
     if isinstance(value, (list, tuple)) and not value:
@@ -826,6 +830,11 @@ def _not_text(value: Any) -> str:
     return f"{_yaml(value)} is not text (YAML reads it unquoted as a {type(value).__name__}); quote it"
 
 
+_FLAG_WORDS = "a flag: - or -- and a letter or digit, then letters, digits, _ . or - (no spaces), e.g. --lr"
+_PATTERN_WORDS = {"flag": _FLAG_WORDS, "seed_flag": _FLAG_WORDS,
+                  "name": "a study name: a letter or digit, then letters, digits, _ . or - (no spaces or slashes)"}
+
+
 def _format_error(error: dict[str, Any]) -> str:
     loc = tuple(error["loc"])
     message: str = error["msg"]
@@ -862,6 +871,8 @@ def _format_error(error: dict[str, Any]) -> str:
         message = f"expected {_EXPECTED_LISTS.get(str(loc[-1]), 'a list')}, got {_shown(error['input'])}"
     elif error["type"] in _MAPPING_TYPES:
         message = f"expected a mapping of keys, got {_shown(error['input'])}"
+    elif error["type"] == "string_pattern_mismatch":
+        message = f"{_shown(error['input'])} is not {_PATTERN_WORDS.get(str(loc[-1]), 'of the allowed form')}"
     path = ".".join(str(part) for part in loc if not (isinstance(part, str) and part.startswith("function-")))
     return f"{path}: {message}" if path else message
 
