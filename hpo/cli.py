@@ -538,7 +538,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     ctx = _context(args)
     scenario = ctx.scenario
     rows = _snapshot(ctx)
-    summary = tally(rows, designs.total_trials(scenario), scenario.objective.direction)
+    try:
+        budget, unread = designs.total_trials(scenario), None
+    except InputError as exc:  # a design edited or moved since: the study's trials are shown all the same
+        budget, unread = sum(1 for row in rows if row.rerun_of is None), str(exc)
+    summary = tally(rows, budget, scenario.objective.direction)
     console = _PipeConsole() if sys.stdout.isatty() else _PipeConsole(width=400)
     shown = rows if args.all else rows[-(args.last or STATUS_ROWS):]
     names = _param_columns(scenario, rows, constants=False)
@@ -568,6 +572,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if shown:
         console.print(_status_title(scenario.name, shown, len(rows)), markup=False, highlight=False, soft_wrap=True)
         wide.print(table)
+    if unread is not None:
+        console.print(f"note: the design's size is unknown ({_located(unread, args)}): the count below is of the "
+                      "trials the study holds", markup=False, highlight=False, soft_wrap=True)
     console.print(summary_line(summary, scenario.objective.metric, value_digits), markup=False, highlight=False,
                   soft_wrap=True)
     if best is not None:

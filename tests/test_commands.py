@@ -35,6 +35,22 @@ def test_status_into_a_closed_pipe_exits_0(tmp_path: Path, write_scenario: Write
     assert status.stderr is not None and status.stderr.read() == b""
 
 
+def test_status_shows_a_csv_study_whose_design_file_is_gone(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """hpo status refused a finished study once its design CSV was moved or half edited (it
+    counts the design's rows), where export and best answered."""
+    scenario = write_scenario(tmp_path, search={"method": "csv", "csv": "design.csv", "trials": None},
+                              files={"design.csv": "x,opt\n0.1,a\n0.2,b\n"})
+    assert run_hpo("run", scenario).returncode == 0
+    (tmp_path / "design.csv").rename(tmp_path / "design.bak")
+    status = run_hpo("status", scenario)
+    assert (status.returncode, status.stderr) == (0, ""), status.stderr
+    assert (f"note: the design's size is unknown (scenario.yaml: search.csv: design file {tmp_path / 'design.csv'} "
+            "not found): the count below is of the trials the study holds\n2/2 trials done: 2 complete.") in status.stdout
+    (tmp_path / "design.csv").write_text("x,opt\n0.1,a\nabc,b\n")
+    status = run_hpo("status", scenario)
+    assert status.returncode == 0 and "note: the design's size is unknown (design.csv line 3, column x:" in status.stdout
+
+
 def test_a_sweep_whose_output_pipe_closes_runs_on_and_records_every_trial(tmp_path: Path,
                                                                          write_scenario: WriteScenario) -> None:
     """``hpo run ... | head -1``: the sweep ended at its next line with exit 0, leaving a trial
