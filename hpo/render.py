@@ -409,6 +409,15 @@ def write_files(folder: Path, files: Sequence[TrialFile]) -> None:
                 target.chmod(file.mode)
 
 
+def _copied(template: Path) -> bytes:
+    """The bytes of ``template``, a file copied as it is into each trial folder (read for each
+    trial); InputError where it cannot be read (the trial fails with that reason)."""
+    try:
+        return template.read_bytes()
+    except OSError as exc:
+        raise InputError(f"template {template.name}: cannot read {template}: {exc.strerror or exc}") from None
+
+
 class Renderer:
     """Compiles a scenario's templates once; renders them into one folder per trial.
 
@@ -423,6 +432,7 @@ class Renderer:
         self._scenario = scenario
         self._renderers: list[tuple[str, Callable[[Mapping[str, Any]], str] | None, Path]] = []
         self._links: dict[str, Path] = {}  # a trial folder's links to folders, by name: what each holds
+        self._modes: dict[str, int] = {}  # the mode bits of each file, by name
         _check_data_dir(scenario)
         _check_unrendered(scenario)
         entries = _entries(scenario.template, workdir)
@@ -442,6 +452,8 @@ class Renderer:
                 _check_placeholders(scenario, template, rendered)
             if template.is_dir():
                 self._links[name] = self._link(name, template)
+            else:  # kept from the start, as the text is: a file saved by renaming it is briefly gone
+                self._modes[name] = template.stat().st_mode & 0o777
             self._renderers.append((name, render, template))
         _check_template_paths(scenario, entries)
 
@@ -473,8 +485,7 @@ class Renderer:
     def unexecutable(self) -> frozenset[str]:
         """The names of the trial folder's files that no one may execute (their templates'
         modes are kept: a script without the execute bit cannot be the command's program)."""
-        return frozenset(name for name, _, template in self._renderers
-                         if name not in self._links and not template.stat().st_mode & 0o111)
+        return frozenset(name for name, mode in self._modes.items() if not mode & 0o111)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -510,9 +521,7 @@ class Renderer:
             if name in self._links:
                 out.append(TrialFile(name, b"", link=self._links[name]))
                 continue
-            mode = template.stat().st_mode & 0o777
-            data = template.read_bytes() if render is None else texts[name].encode()
-            out.append(TrialFile(name, data, mode))
+            out.append(TrialFile(name, _copied(template) if render is None else texts[name].encode(), self._modes[name]))
         context = self.context(number, folder, params, seed)
         record = {"trial": number, "params": dict(params), "trial_seed": context["trial_seed"]}
         out.append(TrialFile(PARAMS_FILE, (json.dumps(record, indent=2) + "\n").encode()))

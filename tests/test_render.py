@@ -24,13 +24,15 @@ RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def _renderer(tmp_path: Path, write_scenario: WriteScenario, templates: dict[str, str | bytes],
-              **overrides: Any) -> Renderer:
-    """Write ``templates`` (name to content) beside a scenario that lists them; return its Renderer."""
+              executable: tuple[str, ...] = (), **overrides: Any) -> Renderer:
+    """Write ``templates`` (name to content; those named in ``executable`` with the execute
+    bit) beside a scenario that lists them; return its Renderer."""
     folder = tmp_path / "sc"
     folder.mkdir(parents=True, exist_ok=True)
     for name, content in templates.items():
         path = folder / name
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+        path.chmod(0o755 if name in executable else 0o644)
     path = write_scenario(folder, template=list(templates), template_text=None, **overrides)
     return Renderer(load_scenario(path))
 
@@ -105,8 +107,8 @@ def test_other_files_are_copied_verbatim(tmp_path: Path, write_scenario: WriteSc
     raw = "{{ not rendered }} ${HOME}\n"
     blob = bytes(range(256))
     renderer = _renderer(tmp_path, write_scenario,
-                         {"train.py.j2": "{{ x }}", "helper.py": raw, "weights.bin": blob, "run.sh": "#!/bin/sh\n"})
-    (tmp_path / "sc" / "run.sh").chmod(0o755)
+                         {"train.py.j2": "{{ x }}", "helper.py": raw, "weights.bin": blob, "run.sh": "#!/bin/sh\n"},
+                         executable=("run.sh",))
     folder = tmp_path / "t"
     names = _render(renderer, folder, 0, {"x": 1, "opt": "a"}, ["./run.sh"])
     assert (folder / "helper.py").read_text() == raw
@@ -116,8 +118,7 @@ def test_other_files_are_copied_verbatim(tmp_path: Path, write_scenario: WriteSc
 
 
 def test_rendered_template_keeps_its_mode(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    renderer = _renderer(tmp_path, write_scenario, {"run.sh.j2": "#!/bin/sh\necho {{ x }}\n"})
-    (tmp_path / "sc" / "run.sh.j2").chmod(0o755)
+    renderer = _renderer(tmp_path, write_scenario, {"run.sh.j2": "#!/bin/sh\necho {{ x }}\n"}, executable=("run.sh.j2",))
     _render(renderer, tmp_path / "t", 0, {"x": 1, "opt": "a"}, ["./run.sh"])
     assert os.stat(tmp_path / "t" / "run.sh").st_mode & stat.S_IXUSR
 
@@ -223,6 +224,24 @@ def test_a_folder_brings_its_files_under_its_name(tmp_path: Path, write_scenario
     write_files(folder, renderer.files(0, folder, {"x": 0.25, "opt": "a"}, ["python", "train.py"]))
     assert (folder / "models" / "blocks" / "net.py").read_text() == "WIDTH = 0.25\n"
     assert not (folder / "models" / "__pycache__").exists()
+
+
+def test_a_template_saved_by_renaming_it_mid_sweep_does_not_stop_the_sweep(tmp_path: Path,
+                                                                            write_scenario: WriteScenario) -> None:
+    """A rendered template's text is read once, but its mode was read for every trial: an
+    editor that saves by renaming left no file for a moment, and the sweep stopped with a bare
+    FileNotFoundError. A file copied as it is, gone, fails its trial with a reason."""
+    (tmp_path / "run.sh").write_text("echo hi\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    path = write_scenario(tmp_path, template=["train.py.j2", "run.sh"], command="python train.py")
+    renderer = Renderer(load_scenario(path))
+    (tmp_path / "train.py.j2").rename(tmp_path / "train.py.j2~")
+    folder = tmp_path / "trial-0000"
+    write_files(folder, renderer.files(0, folder, {"x": 0.25, "opt": "a"}, ["python", "train.py"]))
+    assert (folder / "train.py").is_file() and os.access(folder / "run.sh", os.X_OK)
+    (tmp_path / "run.sh").unlink()
+    with pytest.raises(InputError, match=rf"^template run.sh: cannot read {tmp_path / 'run.sh'}: No such file"):
+        renderer.files(1, tmp_path / "trial-0001", {"x": 0.5, "opt": "a"}, ["python", "train.py"])
 
 
 def test_a_template_folder_leaves_out_the_workdirs_in_it(tmp_path: Path, write_scenario: WriteScenario) -> None:
