@@ -575,8 +575,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if unread is not None:
         console.print(f"note: the design's size is unknown ({_located(unread, args)}): the count below is of the "
                       "trials the study holds", markup=False, highlight=False, soft_wrap=True)
-    console.print(summary_line(summary, scenario.objective.metric, value_digits), markup=False, highlight=False,
-                  soft_wrap=True)
+    console.print(summary_line(summary, scenario.objective.metric, value_digits, held_out), markup=False,
+                  highlight=False, soft_wrap=True)
     if best is not None:
         console.print(f"best params: {format_params(best.params, 6)}", markup=False, highlight=False, soft_wrap=True)
     return EXIT_OK
@@ -899,6 +899,7 @@ def _no_best(rows: Sequence[Any]) -> str:
 
 def cmd_best(args: argparse.Namespace) -> int:
     """Print the best trial; --copy-to DIR copies its folder there."""
+    from hpo.progress import in_order
     from hpo.rows import best_row
 
     ctx = _context(args)
@@ -918,7 +919,7 @@ def cmd_best(args: argparse.Namespace) -> int:
                              "copy it to a folder outside it")
         _made_folder(target, "--copy-to")
         _copy_folder(Path(best.folder), target, created)  # before anything is printed: a closed stdout ends the command
-    held = " ".join(f"{k}={v:.6g}" for k, v in best.held_out.items())
+    held = " ".join(f"{k}={v:.6g}" for k, v in in_order(best.held_out, ctx.scenario.objective.held_out).items())
     print(f"trial {best.number}: {ctx.scenario.objective.metric}={best.value:.6g} {held}".rstrip())
     for name, value in best.params.items():
         print(f"  {name} = {value}")

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,11 +39,18 @@ def format_params(params: Mapping[str, Any], digits: int = 4) -> str:
     return " ".join(f"{k}={v:.{digits}g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
-def format_metrics(value: float | None, metric: str, held_out: Mapping[str, float], digits: int = 4) -> str:
+def format_metrics(value: float | None, metric: str, held_out: Mapping[str, float], digits: int = 4,
+                   order: Sequence[str] = ()) -> str:
     """``val_error=0.05 test_error=0.06`` for a trial's objective and held-out metrics, to
-    ``digits`` significant digits."""
+    ``digits`` significant digits; the held-out metrics in ``order`` (the scenario's) first."""
     parts = [] if value is None else [f"{metric}={value:.{digits}g}"]
-    return " ".join(parts + [f"{k}={v:.{digits}g}" for k, v in held_out.items()])
+    return " ".join(parts + [f"{k}={v:.{digits}g}" for k, v in in_order(held_out, order).items()])
+
+
+def in_order(held_out: Mapping[str, float], order: Sequence[str]) -> dict[str, float]:
+    """``held_out`` with the metrics named in ``order`` first, in that order (a store keeps
+    them sorted by name), then the others."""
+    return {**{name: held_out[name] for name in order if name in held_out}, **held_out}
 
 
 def distinct_digits(values: Iterable[float | None], least: int = 4, most: int = 10) -> int:
@@ -110,15 +117,16 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 
 
-def _ended(result: TrialResult, metric: str) -> str:
+def _ended(result: TrialResult, metric: str, order: Sequence[str]) -> str:
     """``COMPLETE in 3.1 s: val_error=0.05``, or the reason of a trial that did not complete."""
-    detail = format_metrics(result.value, metric, result.held_out) + (f" ({result.reason})" if result.reason else "") \
-        if result.outcome is Outcome.COMPLETE else result.reason
+    detail = format_metrics(result.value, metric, result.held_out, order=order) + \
+        (f" ({result.reason})" if result.reason else "") if result.outcome is Outcome.COMPLETE else result.reason
     return f"{result.outcome} in {result.duration_s:.1f} s: {detail}"
 
 
-def end_line(end: TrialEnd, metric: str) -> str:
-    """One line for a trial's end: ``trial 3 COMPLETE in 3.1 s: val_error=0.05``.
+def end_line(end: TrialEnd, metric: str, order: Sequence[str] = ()) -> str:
+    """One line for a trial's end: ``trial 3 COMPLETE in 3.1 s: val_error=0.05`` (held-out
+    metrics in ``order`` first).
 
     A trial of another worker found gone says so (``trial 1 (worker h:12) judged lost: no
     heartbeat for 4.1 s; recorded LOST after 0.0 s; queued again as trial 4``), and so does a
@@ -130,16 +138,16 @@ def end_line(end: TrialEnd, metric: str) -> str:
     if end.unrecorded is not None:
         return (f"trial {end.number} judged lost by another worker (this one could not beat its heartbeat "
                 f"in time): recorded {result.outcome} after {result.duration_s:.1f} s{again}; its end here "
-                f"({_ended(end.unrecorded, metric)}) is not recorded: it stays in {end.folder}")
+                f"({_ended(end.unrecorded, metric, order)}) is not recorded: it stays in {end.folder}")
     if not end.worker:
-        return f"trial {end.number} {_ended(result, metric)}"
+        return f"trial {end.number} {_ended(result, metric, order)}"
     why = f": {end.why}" if end.why else ""
     if result.outcome is Outcome.LOST or result.reason.startswith("lost "):
         reason = "" if result.outcome is Outcome.LOST else f": {result.reason}"
         return (f"trial {end.number} (worker {end.worker}) judged lost{why}; recorded {result.outcome} "
                 f"after {result.duration_s:.1f} s{reason}{again}")
     return f"trial {end.number} (worker {end.worker}) found gone{why}; recorded from its folder: " \
-           f"{_ended(result, metric)}{again}"
+           f"{_ended(result, metric, order)}{again}"
 
 
 def past_budget_note(t: Tally) -> str:
@@ -156,7 +164,7 @@ def unreported(rows: list[TrialRow], held_out: tuple[str, ...]) -> list[str]:
         name in row.held_out or reported_not_finite(name, row.reason) for row in done)]
 
 
-def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
+def summary_line(t: Tally, metric: str, digits: int = 4, order: Sequence[str] = ()) -> str:
     """``12/16 trials done: 10 complete, 2 failed; also 1 lost (run again). best #3 ...`` (its
     metrics to ``digits`` significant digits);
     reruns (``hpo rerun``) use no budget but are counted: ``16/16 trials done and 1 rerun: 17 complete.``;
@@ -185,12 +193,13 @@ def summary_line(t: Tally, metric: str, digits: int = 4) -> str:
                  "retry (search.retry_failed)")
     if t.past_budget:
         text += f"; {t.past_budget} waiting past the budget (not run unless search.trials is raised)"
-    return text + "." + best_text(t.best, metric, digits)
+    return text + "." + best_text(t.best, metric, digits, order)
 
 
-def best_text(best: TrialRow | None, metric: str, digits: int = 4) -> str:
-    """``  best #3 val_error=0.05 test_error=0.06`` or ''."""
-    return "" if best is None else f"  best #{best.number} {format_metrics(best.value, metric, best.held_out, digits)}"
+def best_text(best: TrialRow | None, metric: str, digits: int = 4, order: Sequence[str] = ()) -> str:
+    """``  best #3 val_error=0.05 test_error=0.06`` or '' (held-out metrics in ``order`` first)."""
+    return "" if best is None else \
+        f"  best #{best.number} {format_metrics(best.value, metric, best.held_out, digits, order)}"
 
 
 class ProgressView:
@@ -255,7 +264,7 @@ class ProgressView:
             self._started.clear()
         if self._live is not None:
             self._live.__exit__(None, None, None)
-        self._print(summary_line(final, self._objective.metric))
+        self._print(summary_line(final, self._objective.metric, order=self._objective.held_out))
         for name in unreported(rows, self._objective.held_out):
             self._print(f"note: no completed trial reported the held-out metric {name} (objective.held_out): "
                         "is that the name the script prints?")
@@ -283,7 +292,7 @@ class ProgressView:
         with self._lock:
             self._started.pop(end.number, None)
         if self._live is None:
-            self._print(end_line(end, self._objective.metric))
+            self._print(end_line(end, self._objective.metric, self._objective.held_out))
 
     def _render(self) -> Group:
         with self._lock:
@@ -300,7 +309,8 @@ class ProgressView:
                 f"[red]{failed} failed[/]  [yellow]{stopped} pruned/stopped[/]  {len(t.running)} running  "
                 f"{counts.get(Outcome.WAITING, 0) - t.past_budget} waiting{past}  "
                 f"[dim]{again} lost/interrupted (run again)[/]  ETA {eta(t, since, time.monotonic())}")
-        best = escape(best_text(t.best, self._objective.metric).strip() or "best: none yet")
+        best = escape(best_text(t.best, self._objective.metric, order=self._objective.held_out).strip()
+                      or "best: none yet")
         table = Table(box=None, pad_edge=False)
         for column in ("trial", "slot", "GPUs", "elapsed", "parameters"):
             table.add_column(column)

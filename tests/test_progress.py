@@ -282,3 +282,17 @@ def test_the_live_view_shows_brackets_in_reasons_and_values_as_they_are(tmp_path
     shown = io.StringIO()
     Console(file=shown, width=100).print(view._render())
     assert "#0 FAIL: [rank1]: cannot open [/data/x]" in shown.getvalue() and "x=[bold]" in shown.getvalue()
+
+
+def test_held_out_metrics_are_said_in_the_scenarios_order() -> None:
+    """The store keeps held-out metrics sorted by name: the summary, the best and the end lines
+    said 'extra=1 test_error=2' for held_out: [test_error, extra], where the table and the CSV
+    follow the scenario."""
+    row = TrialRow(number=2, outcome=Outcome.COMPLETE, params={}, value=3.0, held_out={"extra": 1.0, "test_error": 2.0},
+                   duration_s=1.0, folder="", reason="")
+    summary = tally([row], 1, "minimize")
+    assert summary_line(summary, "val_error", order=("test_error", "extra")).endswith(
+        "best #2 val_error=3 test_error=2 extra=1")
+    end = TrialEnd(2, {}, TrialResult(Outcome.COMPLETE, 3.0, {"extra": 1.0, "test_error": 2.0}, 1.0))
+    assert end_line(end, "val_error", ("test_error", "extra")) == \
+        "trial 2 COMPLETE in 1.0 s: val_error=3 test_error=2 extra=1"
