@@ -949,7 +949,8 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
              rows: Sequence[PlotRow] | None = None) -> list[Path]:
     """Draw every chart that the study's trials allow into ``folder``; return the files. Each
     file is written whole or not at all; an InputError names one that cannot be. A chart the
-    trials do not allow is said once, with why, as a warning of the ``hpo.plots`` logger.
+    trials do not allow is said once, with why, as a warning of the ``hpo.plots`` logger, and
+    an earlier plot's file of that name in ``folder`` is removed (and said so).
 
     Args:
         study: the scenario's Optuna study, read once per chart: a study that a sweep may change
@@ -970,6 +971,20 @@ def draw_all(study: optuna.Study, scenario: Scenario, folder: Path,
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
+    paths = _draw_allowed(study, scenario, folder, rows)
+    for stale in sorted(set(CHARTS) - {path.name for path in paths}):
+        if (folder / stale).is_file():  # an earlier plot's, not of these trials: gone rather than beside them
+            (folder / stale).unlink()
+            logger.warning("%s of an earlier plot removed from %s", stale, folder)
+    return paths
+
+
+CHARTS = ("history.png", "states.png", "importances.png", "slice.png", "parallel.png")
+"""The files :func:`draw_all` may write."""
+
+
+def _draw_allowed(study: optuna.Study, scenario: Scenario, folder: Path, rows: Sequence[PlotRow]) -> list[Path]:
+    """:func:`draw_all`'s charts, those the trials allow."""
     objective = scenario.objective
     history = history_data(rows, objective.direction, objective.held_out)
     paths = [draw_history(history, scenario.name, objective.metric, objective.direction, folder / "history.png"),

@@ -401,6 +401,21 @@ def test_charts_that_compare_trials_say_once_why_they_are_not_drawn(
     assert [r.getMessage() for r in caplog.records] == [f"importances.png, slice.png and parallel.png not drawn: {why}"]
 
 
+def test_a_chart_not_drawn_leaves_no_earlier_plots_file_beside_the_new_ones(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """hpo plot -o DIR kept the importances, slice and parallel charts of an earlier plot (of
+    another study) beside this one's history and states, and said nothing of them."""
+    for name in ("importances.png", "slice.png", "parallel.png", "notes.png"):
+        (tmp_path / name).write_bytes(b"earlier")
+    rows = [Row(0, "COMPLETE", {"optimizer": "sgd"}, 0.5)]
+    with caplog.at_level("WARNING", logger="hpo.plots"):
+        paths = draw_all(study_of("few", rows), scenario("few", held_out=()), tmp_path, rows=rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.png", "notes.png", "states.png"]
+    assert [p.name for p in paths] == ["history.png", "states.png"]
+    assert [r.getMessage() for r in caplog.records][1:] == [
+        f"{name} of an earlier plot removed from {tmp_path}" for name in ("importances.png", "parallel.png", "slice.png")]
+
+
 def test_the_states_title_does_not_call_running_or_waiting_trials_ended(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [Row(0, "COMPLETE", {"optimizer": "sgd"}, 0.5), Row(1, "RUNNING", {"optimizer": "adam"}),
