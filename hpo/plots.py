@@ -574,7 +574,8 @@ def draw_importances(data: Importances, study: str, path: Path) -> Path:
         ax.set_xlim(0, 1.1)
         ax.grid(axis="y", visible=False)
         ax.set_axisbelow(True)
-        ax.set_xlabel(f"share of the variance of {data.target} that each parameter explains")
+        label = f"share of the variance of {data.target} that each parameter explains"
+        ax.set_xlabel(label if len(label) <= 60 else label.replace(" that each", "\nthat each"))  # centred on the axes
         rough = " (few trials: a rough estimate)" if data.trials < FEW_TRIALS else ""
         figure.suptitle(f"{study}: parameter importance for {data.target}\n"
                         f"fANOVA over {_plural(data.trials, 'completed trial')}{rough}")

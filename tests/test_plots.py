@@ -29,7 +29,9 @@ from hpo.plots import (
     CHOICE_JITTER,
     MANY_LINES,
     STATE_STYLE,
+    Importances,
     draw_all,
+    draw_importances,
     frozen,
     history_data,
     importance_data,
@@ -757,3 +759,19 @@ def test_tick_labels_that_only_touch_are_crowded() -> None:
     assert min(gaps(6)) > 6 * 0.5 * figure.dpi / 72 and not _crowded(ax.xaxis, -math.inf, math.inf)
     size = next(size / 10 for size in range(300, 60, -1) if min(gaps(size / 10)) > 0)  # the largest not to overlap
     assert 0 < min(gaps(size)) < size * 0.5 * figure.dpi / 72 and _crowded(ax.xaxis, -math.inf, math.inf)
+
+
+def test_a_long_importance_label_is_folded_to_stay_on_the_image(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Centred under bars that a long parameter name pushes right, the label ran past the
+    image's edge ('... that each parameter exp')."""
+    figures = saved_figures(monkeypatch)
+    data = Importances(("very_long_parameter_name_for_the_network_width", "lr"), (0.71, 0.29),
+                       "loss (clipped to -55.2..1.05e+03)", 8)
+    draw_importances(data, "toy", tmp_path / "importances.png")
+    [figure] = figures
+    assert figure.axes[0].get_xlabel() == "share of the variance of loss (clipped to -55.2..1.05e+03)\n" \
+                                          "that each parameter explains"
+    figure.canvas.draw()
+    label = figure.axes[0].xaxis.label.get_window_extent()
+    assert 0 <= label.x0 and label.x1 <= figure.bbox.width
