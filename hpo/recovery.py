@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo.executor import save_result_unless_saved, saved_result
 from hpo.launch import kill_by_token
 from hpo.outcome import Outcome, TrialResult
-from hpo.render import FolderFull, trial_folder
+from hpo.render import LOG_FILE, FolderFull, trial_folder
 from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue_or_fail
 from hpo.storage import MAX_PAUSE_S
@@ -124,15 +124,19 @@ def last_sign_of_life(trial: FrozenTrial) -> float | None:
     return None if trial.datetime_start is None else trial.datetime_start.timestamp()
 
 
-def ran_s(trial: FrozenTrial) -> float:
+def ran_s(trial: FrozenTrial, folder: Path | None = None) -> float:
     """Seconds the stale ``trial`` is known to have run: from its start (``at`` in its start
-    record, else its claim) to its last heartbeat, the last moment its worker is known to
-    have been alive (when it was found lost tells when hpo looked); 0 without a beat."""
-    beat = trial.system_attrs.get(SYS_HEARTBEAT)
+    record, else its claim) to the last moment its worker is known to have been alive (when
+    it was found lost tells when hpo looked): its last heartbeat, or the last write to the
+    trial's log in ``folder`` (its worker writes it), whichever is later; 0 without either."""
     start = (trial.system_attrs.get(SYS_STARTED) or {}).get("at")
     if start is None and trial.datetime_start is not None:
         start = trial.datetime_start.timestamp()
-    return 0.0 if beat is None or start is None else max(0.0, float(beat) - float(start))
+    alive = [float(beat)] if (beat := trial.system_attrs.get(SYS_HEARTBEAT)) is not None else []
+    if folder is not None:
+        with contextlib.suppress(OSError):  # no log, or a folder on another machine
+            alive.append((folder / LOG_FILE).stat().st_mtime)
+    return 0.0 if not alive or start is None else max(0.0, max(alive) - float(start))
 
 
 def is_stale(trial: FrozenTrial, now: float, heartbeat_s: float, me: str, mine: Container[int],
@@ -225,7 +229,7 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
         return store.end_other(row.number, saved, folder), saved
     if SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
         return store.back_to_waiting(row.number), None
-    result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial),
+    result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial, folder),
                                                            reason="lost: its worker stopped"))
     done = store.end_other(row.number, result, folder)
     if done and folder.is_dir():  # its folder says how it ended, as every trial's does, but a result its

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 import time
@@ -275,3 +276,20 @@ def test_a_result_its_own_process_wrote_is_never_replaced_by_lost(tmp_path: Path
     empty.mkdir()
     assert save_result_unless_saved(empty, 4, TrialResult(Outcome.LOST, reason="lost: its worker stopped"))
     assert saved_result(empty, 4) == TrialResult(Outcome.LOST, reason="lost: its worker stopped")
+
+
+def test_a_trial_lost_before_its_first_heartbeat_ran_until_its_log_was_last_written(tmp_path: Path) -> None:
+    """A trial lost in its first heartbeat interval (10 s) was recorded LOST after 0.0 s though
+    it had reported steps, and hpo status had shown 2.6 s a moment before."""
+    started = time.time() - 30
+    trial = create_trial(state=TrialState.RUNNING, params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)},
+                         system_attrs={SYS_STARTED: {"at": started}})
+    assert recovery.ran_s(trial, tmp_path) == 0.0  # no beat, no log: nothing known
+    log = tmp_path / "trial.log"
+    log.write_text("step 1\nstep 2\n")
+    os.utime(log, (started + 2.6, started + 2.6))
+    assert recovery.ran_s(trial, tmp_path) == pytest.approx(2.6)
+    beaten = create_trial(state=TrialState.RUNNING, params={"x": 0.5}, distributions={"x": FloatDistribution(0, 1)},
+                          system_attrs={SYS_STARTED: {"at": started}, SYS_HEARTBEAT: started + 12.0})
+    assert recovery.ran_s(beaten, tmp_path) == pytest.approx(12.0)  # the later of the two
+    assert recovery.ran_s(beaten) == pytest.approx(12.0)
