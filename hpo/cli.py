@@ -676,7 +676,7 @@ def _reason(row: Any) -> str:
     again = next((f"{label} #{number}" for label, number in
                   (("retry of", row.retry_of), ("requeue of", row.requeue_of), ("rerun of", row.rerun_of))
                   if number is not None), "")
-    return ": ".join(part for part in (again, row.reason) if part)
+    return ": ".join(part for part in (again, row.reason or row.note) if part)
 
 
 def _param_columns(scenario: Any, rows: Sequence[Any], constants: bool = True) -> list[str]:
@@ -699,7 +699,8 @@ def _number(value: float | None, fmt: str = ".4g") -> str:
 
 def export_rows(ctx: Context, out: Any, rows: Sequence[Any] | None = None) -> int:
     """Write the results CSV of DESIGN.md to ``out`` (plus ``repeat_of``: the trial whose
-    configuration a row runs again) from ``rows`` (default: the study's); return the number of rows."""
+    configuration a row runs again, and ``note``: what a completed trial reported that is not
+    recorded) from ``rows`` (default: the study's); return the number of rows."""
     from hpo.rows import repeat_of
     from hpo.scenario import RESULTS_LEADING, RESULTS_TRAILING
 
@@ -713,7 +714,7 @@ def export_rows(ctx: Context, out: Any, rows: Sequence[Any] | None = None) -> in
         repeat = repeat_of(row)
         writer.writerow([row.number, row.state, *(row.params.get(p, "") for p in params),
                          _csv(row.value), *(_csv(row.held_out.get(h)) for h in held_out),
-                         _csv(row.duration_s), row.folder, row.reason, "" if repeat is None else repeat])
+                         _csv(row.duration_s), row.folder, row.reason, "" if repeat is None else repeat, row.note])
     return len(rows)
 
 
@@ -1029,8 +1030,8 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     from hpo.progress import format_metrics
 
     metric = ctx.scenario.objective.metric
-    detail = format_metrics(result.value, metric, result.held_out) \
-        if result.outcome.value == "COMPLETE" else result.reason
+    detail = format_metrics(result.value, metric, result.held_out, order=ctx.scenario.objective.held_out) + \
+        (f" ({result.note})" if result.note else "") if result.outcome.value == "COMPLETE" else result.reason
     original = sweep.store.rows([sweep.store.trial(args.trial)])[0]
     print(f"trial {row.number} (rerun of {args.trial}) {result.outcome.value} in {result.duration_s:.1f} s: "
           f"{detail}; {_reproduced(metric, args.trial, original.value, result.value)}folder {row.folder}")

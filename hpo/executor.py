@@ -42,7 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from hpo.files import replacing
 from hpo.launch import ProcessResult, Slot, run_process, this_python, trial_env
-from hpo.outcome import Outcome, TrialResult, not_finite_reason
+from hpo.outcome import Outcome, TrialResult, not_finite_note
 from hpo.render import LOG_FILE, RESULT_FILE, FolderFull, TrialFile, folder_writes, write_files
 from hpo.results import (
     SMAC_OK_STATUSES,
@@ -354,8 +354,9 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     value = metrics.final[metric]
     if not math.isfinite(value):
         return ended(Outcome.FAIL, f"{metric} is {value}")
-    return ended(Outcome.COMPLETE, "; ".join(not_finite_reason(name, metrics.final[name]) for name in objective.held_out
-                                             if name in metrics.final and name not in kept), value)
+    note = "; ".join(not_finite_note(name, metrics.final[name]) for name in objective.held_out
+                     if name in metrics.final and name not in kept)
+    return replace(ended(Outcome.COMPLETE, "", value), note=note)
 
 
 SCRIPT_RESULT_FILE = "result.script.json"

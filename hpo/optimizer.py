@@ -134,6 +134,7 @@ class SmacSampler(BaseSampler):
         n_starts: int = 5,
         max_points: int = 256,
         balance_every: int = 4,
+        gp_patience: int = int(__import__("os").environ.get("HPO_GP_PATIENCE", "15")),
     ) -> None:
         if direction not in ("minimize", "maximize"):
             raise ValueError(f"direction must be 'minimize' or 'maximize', not {direction!r}")
@@ -156,6 +157,7 @@ class SmacSampler(BaseSampler):
         self._n_starts = n_starts
         self._max_points = max_points
         self._balance_every = balance_every
+        self._gp_patience = gp_patience
         self._fallback = RandomSampler(seed=seed)
         self._start = RandomSampler(seed=seed)
         self._lock = threading.Lock()
@@ -263,7 +265,13 @@ class SmacSampler(BaseSampler):
         unless ``model='gp'`` or a trial was stopped early, no two costs tie."""
         if not self._gp_allowed or len(observations.y) > self._gp_max_points:
             return False
-        return self._model == "gp" or observations.stopped_early or not _step_valued(observations.y)
+        if self._model == "gp":
+            return True
+        return observations.stopped_early or not (_step_valued(observations.y) or self._stalled(observations.y))
+
+    def _stalled(self, costs: np.ndarray) -> bool:
+        """Whether the best of ``costs`` (in trial order) is older than the last ``gp_patience``."""
+        return self._gp_patience > 0 and len(costs) - 1 - int(np.argmin(costs)) >= self._gp_patience
 
     def _unseen_or_first(self, params: dict[str, Any], seen: frozenset[bytes], rng: np.random.Generator
                          ) -> dict[str, Any]:

@@ -62,10 +62,11 @@ class TrialResult:
         value: the objective; a finite number exactly when ``outcome`` is COMPLETE.
         held_out: the held-out metrics that were reported (never seen by the optimizer).
         duration_s: seconds the trial's processes ran.
-        reason: why it did not complete (``<cause>: <last error line>``); when COMPLETE, empty
-            or which held-out metrics it reported NaN or infinite (:func:`not_finite_reason`).
+        reason: why it did not complete (``<cause>: <last error line>``); empty when COMPLETE.
         step: a step of the objective: where the pruner decided (pruned trials), else the last one
             reported, if any.
+        note: of a COMPLETE trial, what it reported that is not recorded: the held-out metrics
+            it reported NaN or infinite (:func:`not_finite_note`); else empty.
     """
 
     outcome: Outcome
@@ -74,6 +75,7 @@ class TrialResult:
     duration_s: float = 0.0
     reason: str = ""
     step: int | None = None
+    note: str = ""
 
     def __post_init__(self) -> None:
         if not self.outcome.ended:
@@ -83,15 +85,15 @@ class TrialResult:
             raise ValueError(f"{self.outcome} with value {self.value}: only COMPLETE has a finite value")
 
 
-def not_finite_reason(name: str, value: float) -> str:
-    """What a completed trial's reason says of its held-out metric ``name`` that it reported as
+def not_finite_note(name: str, value: float) -> str:
+    """What a completed trial's note says of its held-out metric ``name`` that it reported as
     ``value``, NaN or infinite: it is not recorded (a store and the dashboard take finite numbers)."""
     return f"{_not_finite_start(name)}{value}: not recorded"
 
 
-def reported_not_finite(name: str, reason: str) -> bool:
-    """Whether ``reason`` (a completed trial's) says that it reported ``name`` NaN or infinite."""
-    return any(part.startswith(_not_finite_start(name)) for part in reason.split("; "))
+def reported_not_finite(name: str, note: str) -> bool:
+    """Whether ``note`` (a completed trial's) says that it reported ``name`` NaN or infinite."""
+    return any(part.startswith(_not_finite_start(name)) for part in note.split("; "))
 
 
 def _not_finite_start(name: str) -> str:

@@ -120,7 +120,7 @@ LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 def _ended(result: TrialResult, metric: str, order: Sequence[str]) -> str:
     """``COMPLETE in 3.1 s: val_error=0.05``, or the reason of a trial that did not complete."""
     detail = format_metrics(result.value, metric, result.held_out, order=order) + \
-        (f" ({result.reason})" if result.reason else "") if result.outcome is Outcome.COMPLETE else result.reason
+        (f" ({result.note})" if result.note else "") if result.outcome is Outcome.COMPLETE else result.reason
     return f"{result.outcome} in {result.duration_s:.1f} s: {detail}"
 
 
@@ -161,7 +161,7 @@ def unreported(rows: list[TrialRow], held_out: tuple[str, ...]) -> list[str]:
     (:func:`hpo.outcome.reported_not_finite`); none if no trial completed."""
     done = [row for row in rows if row.outcome is Outcome.COMPLETE]
     return [name for name in held_out if done and not any(
-        name in row.held_out or reported_not_finite(name, row.reason) for row in done)]
+        name in row.held_out or reported_not_finite(name, row.note) for row in done)]
 
 
 def summary_line(t: Tally, metric: str, digits: int = 4, order: Sequence[str] = ()) -> str:
@@ -361,7 +361,8 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
                                             Path(row.folder), repeat_of(row)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
-                result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason)
+                result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason,
+                                     note=row.note)
                 worker = str(run_info(store.trial(row.number)).get("worker", "")) if row.outcome is Outcome.LOST else ""
                 observer.finished(TrialEnd(row.number, row.params, result, worker, again_as=again.get(row.number)))
         if done:

@@ -57,7 +57,7 @@ SMAC_OK_STATUSES = frozenset({"SAT", "SUCCESS"})
 SMAC_STATUSES = frozenset({"SAT", "SUCCESS", "UNSAT", "TIMEOUT", "CRASHED", "ABORT", "MEMOUT"})
 RESERVED_ATTRS = frozenset({"outcome", "reason", "duration_s", "folder", "worker", "slot", "gpus", "rerun_of",
                             "retry_of", "requeue_of", "retries", "design_index", "lost_count",
-                            "disk_full_count"})
+                            "disk_full_count", "note"})
 """User attributes that hpo writes on every trial; no held-out metric may take one of these names."""
 LARGEST_STEP = 2**31 - 1
 """The largest step a report may carry (Optuna's SQL storages keep a step in a 32-bit integer)."""

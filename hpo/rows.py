@@ -26,7 +26,9 @@ class TrialRow:
     '' in records written before it was kept); ``requeue_of``, ``retry_of`` and ``rerun_of``
     name the trial whose configuration this one runs again (lost or interrupted, failed and retried, rerun);
     ``lost_count``, ``disk_full_count`` and ``retries`` count how often its configuration was
-    lost, filled the disk and failed before (:data:`hpo.scheduler.RUN_AGAIN_LIMIT`).
+    lost, filled the disk and failed before (:data:`hpo.scheduler.RUN_AGAIN_LIMIT`);
+    ``reason`` says why it did not complete (empty when it did) and ``note``, of a completed
+    trial, what it reported that is not recorded (:attr:`hpo.outcome.TrialResult.note`).
     """
 
     number: int
@@ -47,6 +49,7 @@ class TrialRow:
     lost_count: int = 0
     disk_full_count: int = 0
     retries: int = 0
+    note: str = ""
 
     @property
     def state(self) -> str:

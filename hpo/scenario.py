@@ -265,7 +265,7 @@ class Objective(_Frozen):
         return self
 
 
-RESULTS_LEADING, RESULTS_TRAILING = ("number", "state"), ("duration_s", "folder", "reason", "repeat_of")
+RESULTS_LEADING, RESULTS_TRAILING = ("number", "state"), ("duration_s", "folder", "reason", "repeat_of", "note")
 """The fixed columns of the results CSV (``hpo export``), before and after the parameters' and
 the metrics' own, which have a column each under their own names."""
 RESULTS_COLUMNS = RESULTS_LEADING + RESULTS_TRAILING

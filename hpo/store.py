@@ -46,7 +46,7 @@ from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
 ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun_of"
 ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "design_index"
-ATTR_DISK_FULL_COUNT = "disk_full_count"
+ATTR_DISK_FULL_COUNT, ATTR_NOTE = "disk_full_count", "note"
 SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
 STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
 SNAPSHOT_FETCH_LIMIT = 500
@@ -72,6 +72,8 @@ def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
     attrs: dict[str, Any] = {ATTR_OUTCOME: result.outcome.value, ATTR_REASON: result.reason,
                              ATTR_DURATION: round(result.duration_s, 3), ATTR_FOLDER: str(folder)}
     attrs.update({name: float(value) for name, value in result.held_out.items()})
+    if result.note:
+        attrs[ATTR_NOTE] = result.note
     return attrs
 
 
@@ -124,6 +126,9 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
     reason = str(user.get(ATTR_REASON, legacy.get("reason", "")) or "")
     if outcome is Outcome.LOST and recorded not in (None, Outcome.LOST.value):
         reason = f"lost: another worker judged its worker gone ({reason or recorded})"
+    note = str(user.get(ATTR_NOTE, "") or "")
+    if outcome is Outcome.COMPLETE:  # studies made before notes were kept apart kept them as the reason
+        note, reason = note or reason, ""
     value = trial.value if outcome is Outcome.COMPLETE else None
     params = {**trial.params, **(started.get("constants") or {})}
     return TrialRow(
@@ -133,7 +138,7 @@ def read_row(trial: FrozenTrial, constants: Callable[[dict[str, Any]], dict[str,
         requeue_of=_int(user.get(ATTR_REQUEUE_OF)), retry_of=_int(_attr(trial, ATTR_RETRY_OF)),
         rerun_of=_int(user.get(ATTR_RERUN_OF)), design_index=_int(_attr(trial, ATTR_DESIGN_INDEX)),
         lost_count=_int(user.get(ATTR_LOST_COUNT)) or 0, disk_full_count=_int(user.get(ATTR_DISK_FULL_COUNT)) or 0,
-        retries=_int(_attr(trial, ATTR_RETRIES)) or 0)
+        retries=_int(_attr(trial, ATTR_RETRIES)) or 0, note=note)
 
 
 def _attr(trial: FrozenTrial, name: str) -> Any:

@@ -60,7 +60,7 @@ def test_monte_carlo_ddp_sweep_then_status_export_plot_best(tmp_path: Path) -> N
     rows = read_csv(out)
     assert list(rows[0]) == ["number", "state", "nb_filters", "conv_size", "dropout", "lr", "optimizer",
                              "batch_size", "epochs", "val_error", "test_error", "duration_s", "folder", "reason",
-                             "repeat_of"]
+                             "repeat_of", "note"]
     assert [r["number"] for r in rows] == ["0", "1"]
     for row in rows:
         assert row["state"] == "COMPLETE" and row["reason"] == ""

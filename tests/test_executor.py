@@ -49,8 +49,7 @@ OBJECTIVE = Objective(metric="val_error", held_out=("test_error",))
                      id="nan"),
         pytest.param("val_error=inf", 0, None, "FAIL", None, {}, "val_error is inf", id="inf"),
         pytest.param("val_error=abc", 0, None, "FAIL", None, {}, "val_error is not a number: abc", id="non-number"),
-        pytest.param("val_error=0.2 test_error=nan", 0, None, "COMPLETE", 0.2, {}, "held-out test_error was nan: not recorded",
-                     id="held-out-nan-said"),
+        pytest.param("val_error=0.2 test_error=nan", 0, None, "COMPLETE", 0.2, {}, "", id="held-out-nan-no-reason"),
         pytest.param("Result of this algorithm run: UNSAT, 1, 0, 0.5, 1", 0, None, "FAIL", None, {},
                      "trial reported UNSAT", id="unsat"),
         pytest.param("Result of this algorithm run: SAT, 1, 0, 0.5, 1", 0, None, "COMPLETE", 0.5, {}, "", id="sat"),
@@ -305,6 +304,15 @@ def test_a_trial_that_ran_through_a_pause_of_its_worker_counts_all_of_it(tmp_pat
                                  PausedControl(1.0))
     assert result.outcome is Outcome.COMPLETE and result.duration_s >= 1.5
     assert "paused_s" not in json.loads((tmp_path / "trial-0007" / "result.json").read_text())
+
+
+def test_a_held_out_metric_reported_nan_is_a_completed_trials_note_not_its_reason() -> None:
+    """The results CSV's reason is empty for a completed trial (DESIGN.md): a held-out metric
+    not recorded is said in the trial's note instead."""
+    result = judge(parse_text("val_error=0.2 test_error=nan", "val_error"), OBJECTIVE, 0, None, [], 1.0, 30)
+    assert (result.outcome, result.reason, result.note) == (
+        Outcome.COMPLETE, "", "held-out test_error was nan: not recorded")
+    assert judge(parse_text("val_error=0.2 test_error=0.3", "val_error"), OBJECTIVE, 0, None, [], 1.0, 30).note == ""
 
 
 def test_judge_names_the_step_at_which_the_pruner_decided() -> None:

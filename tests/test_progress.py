@@ -261,12 +261,12 @@ def test_the_live_view_wraps_its_counts_to_the_terminal(tmp_path: Path, write_sc
 def test_a_held_out_metric_reported_as_nan_is_not_called_unreported() -> None:
     """A held-out NaN is not recorded (a store takes finite numbers); the end note then asked
     'is that the name the script prints?' of a name the script did print."""
-    nan_row = replace(_row(0, 0.3), reason="held-out test_error was nan: not recorded")
+    nan_row = replace(_row(0, 0.3), note="held-out test_error was nan: not recorded")
     assert unreported([nan_row, _row(1, 0.2)], ("test_error", "tset_error")) == ["tset_error"]
 
 
 def test_a_completed_trial_s_end_line_names_a_held_out_metric_not_recorded() -> None:
-    result = TrialResult(Outcome.COMPLETE, 0.25, {}, 3.04, reason="held-out test_error was nan: not recorded")
+    result = TrialResult(Outcome.COMPLETE, 0.25, {}, 3.04, note="held-out test_error was nan: not recorded")
     assert end_line(TrialEnd(3, {}, result), "val_error") == (
         "trial 3 COMPLETE in 3.0 s: val_error=0.25 (held-out test_error was nan: not recorded)")
 

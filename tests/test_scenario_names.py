@@ -21,7 +21,7 @@ from hpo.scenario import RESULTS_COLUMNS, DuplicateKeyError, UniqueKeyLoader, lo
 WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
-FIXED = "(number, state, duration_s, folder, reason, repeat_of)"
+FIXED = "(number, state, duration_s, folder, reason, repeat_of, note)"
 FLOAT = {"type": "float", "low": 0.0, "high": 1.0}
 
 
@@ -37,7 +37,7 @@ def test_the_fixed_columns_are_those_export_writes(scenario_path: Path) -> None:
     export_rows(SimpleNamespace(scenario=scenario), out, rows=[])
     header = next(csv.reader(io.StringIO(out.getvalue())))
     assert header == ["number", "state", "x", "opt", "val_error", "test_error", "duration_s", "folder", "reason",
-                      "repeat_of"]  # as DESIGN.md and the README give it
+                      "repeat_of", "note"]  # as DESIGN.md and the README give it
     own = {*scenario.parameters, scenario.objective.metric, *scenario.objective.held_out}
     assert tuple(name for name in header if name not in own) == RESULTS_COLUMNS
     assert ", ".join(RESULTS_COLUMNS) == FIXED[1:-1]
@@ -50,7 +50,7 @@ def test_the_fixed_columns_are_those_export_writes(scenario_path: Path) -> None:
          f"parameters.state: 'state' is a column of the results CSV {FIXED}; rename the parameter"),
         *(({"parameters": {name: {"type": "constant", "value": 1}}},
            f"parameters.{name}: {name!r} is a column of the results CSV {FIXED}; rename the parameter")
-          for name in ("number", "reason", "folder", "duration_s", "repeat_of")),
+          for name in ("number", "reason", "folder", "duration_s", "repeat_of", "note")),
         ({"parameters": {"val_error": FLOAT}},
          ("parameters.val_error: 'val_error' is also the objective metric, and the results CSV has one column per "
           "name; rename the parameter or the metric")),

@@ -445,3 +445,17 @@ def test_ask_and_enqueue_read_only_the_trials_in_their_state(
     store.enqueue({"lr": 0.01}, {"design_index": 0})
     store.ask()
     assert reads and None not in reads
+
+
+def test_a_completed_trial_keeps_its_note_apart_from_the_reason() -> None:
+    """The results CSV's reason is empty for a completed trial: what it reported that is not
+    recorded is its note, a user attribute of its own; a study written when the note was the
+    reason reads the same."""
+    result = TrialResult(Outcome.COMPLETE, 0.2, {}, 1.0, note="held-out test_error was nan: not recorded")
+    attrs = result_attrs(result, "/f")
+    assert (attrs["reason"], attrs["note"]) == ("", "held-out test_error was nan: not recorded")
+    assert "note" not in result_attrs(TrialResult(Outcome.COMPLETE, 0.2, {}, 1.0), "/f")
+    for user in (attrs, {**attrs, "reason": attrs["note"], "note": None}):
+        trial = create_trial(value=0.2, params={}, distributions={}, user_attrs={k: v for k, v in user.items() if v is not None})
+        row = read_row(trial)
+        assert (row.reason, row.note) == ("", "held-out test_error was nan: not recorded")
