@@ -456,3 +456,18 @@ def test_the_plan_says_which_steps_the_pruner_plans_for(tmp_path: Path, write_sc
     """A script reporting 10 epochs under Hyperband's default of 81 is told so before it runs."""
     scenario = load_scenario(write_scenario(tmp_path, search={"method": "tpe", "trials": 3, **search}))
     assert describe_pruner(scenario.search) == said
+
+
+def test_a_stalled_gp_hands_its_space_to_the_forest(models_used: list[str]) -> None:
+    """On Michalewicz-5 the GP wandered the box for 70 trials without a better cost; once the
+    best cost is older than the last 25, the forest proposes."""
+    params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(2)}
+    def cost(trial: optuna.Trial) -> float:  # the first configuration is the best there is
+        values = _suggest(params)(trial)
+        return 0.0 if trial.number == 0 else 1.0 + values["x0"] + math.sqrt(2) * values["x1"]  # no ties
+
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    study.enqueue_trial({"x0": 0.5, "x1": 0.5})
+    study.optimize(cost, n_trials=30)
+    assert models_used[:16] == ["gp"] * 16 and models_used[16:] == ["forest"] * 4
+    assert len(set(_params(study))) == 30
