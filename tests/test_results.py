@@ -210,15 +210,16 @@ def test_the_last_report_of_a_metric_decides_its_final_value_or_text(lines: list
         pytest.param('{"step": 1, "val_error": 0.5}\n{"step": 2, "val_error": NaN}', "FAIL", None, {},
                      "val_error is nan", id="non-finite-last-step"),
         pytest.param('{"step": 1, "val_error": 0.5, "test_error": Infinity}', "COMPLETE", 0.5, {},
-                     "held-out test_error was inf: not recorded", id="non-finite-held-out-said"),
+                     "held-out test_error was inf: not recorded", id="non-finite-held-out-noted"),
     ],
 )
 def test_the_judge_reads_the_last_step_values_as_final(text: str, outcome: str, value: float | None,
                                                        held_out: dict[str, float], reason: str) -> None:
     objective = Objective(metric="val_error", held_out=("test_error",))
     result = judge(parse_text(text, "val_error"), objective, 0, None, text.splitlines(), 1.0, None)
-    assert (result.outcome.value, result.value, dict(result.held_out), result.reason) == (
-        outcome, value, held_out, reason)
+    said = ("", reason) if outcome == "COMPLETE" else (reason, "")  # a completed trial's reason is empty: its note says
+    assert (result.outcome.value, result.value, dict(result.held_out), (result.reason, result.note)) == (
+        outcome, value, held_out, said)
 
 
 # tqdm 4.70 on stderr merged with the script's prints on stdout: a bar's carriage return and text precede the print
