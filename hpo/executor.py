@@ -199,16 +199,15 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
 
     def on_lines(lines: list[str], running: bool) -> list[str]:
         nonlocal pruned_at
-        values, notes = [], []
+        notes = []
         for line in lines:
             tail.append(line.rstrip("\n"))
             try:
-                reported = parser.feed(line)
+                parser.feed(line)
             except StepError as exc:
                 notes.append(f"could not handle an output line: {exc}")
-                continue
-            if reported is not None and reported.step is not None and objective.metric in reported.values:
-                values.append((reported.step, reported.values[objective.metric]))
+        values = [(step, reported[objective.metric]) for step, reported in parser.take_intermediate()
+                  if objective.metric in reported]  # every update of a line a progress bar rewrote
         if pruned_at is not None or not values or control.end_request() in CUT_SHORT:
             return notes
         for step, value in values:
@@ -227,6 +226,8 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
     watch = _Watch()
     process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
     exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
+    if ended_by is None and pruned_at is not None:  # it ended by itself before it was killed: the pruner's word stands
+        ended_by = "pruned"
     disk_full, sigkill_after = process.disk_full, process.sigkill_after_s
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)

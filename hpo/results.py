@@ -295,6 +295,7 @@ class MetricParser:
         self._step: int | None = None
         self._final: dict[str, float] = {}
         self._intermediate: list[tuple[int, Mapping[str, float]]] = []
+        self._taken = 0  # how many of them take_intermediate handed out
         self._invalid: dict[str, str] = {}
         self._last_step: dict[str, float] = {}
         self._last_step_invalid: dict[str, str] = {}
@@ -390,6 +391,11 @@ class MetricParser:
             if match and match.group(1) is not None:
                 found.append((name, match.group(1)))
         return _split(found)
+
+    def take_intermediate(self) -> list[tuple[int, Mapping[str, float]]]:
+        """The intermediate reports (step, values) recorded since the last call, in order."""
+        taken, self._taken = self._intermediate[self._taken:], len(self._intermediate)
+        return taken
 
     def metrics(self) -> Metrics:
         """A snapshot of everything reported so far (see :class:`Metrics`)."""

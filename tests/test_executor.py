@@ -371,6 +371,37 @@ def test_the_pruner_judges_every_step_in_turn_however_fast_they_come(tmp_path: P
     assert [step for step, _ in control.values] == list(range(1, 301))  # the rest recorded once it ended
 
 
+def test_every_step_of_a_line_a_progress_bar_rewrote_reaches_the_pruner(tmp_path: Path) -> None:
+    """Several reports in one line, parted by carriage returns: only the line's last reached
+    the pruner and the study (step 3 of '{step 3}\\r{step 4}' was dropped)."""
+    control = Control()
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import sys, time
+        sys.stdout.write('{"step": 1, "val_error": 0.9}\\n')
+        sys.stdout.write(' 33%|###   | 1/3\\r{"step": 2, "val_error": 0.8}\\r 50%|#####\\n')
+        sys.stdout.write('{"step": 3, "val_error": 0.7}\\r{"step": 4, "val_error": 0.6}\\n')
+        sys.stdout.write('bar\\r{"step": 5, "val_error": 0.5}\\rval_error=0.4\\n')
+        sys.stdout.flush()
+        time.sleep(0.5)
+        """), control)
+    assert (result.outcome, result.value) == (Outcome.COMPLETE, 0.4)
+    assert control.values == [(1, 0.9), (2, 0.8), (3, 0.7), (4, 0.6), (5, 0.5)] and control.judged == [1, 2, 3, 4, 5]
+
+
+def test_a_trial_that_ends_by_itself_after_the_pruner_said_prune_is_pruned(tmp_path: Path) -> None:
+    """The pruner said prune while the trial ran, and it exited before it could be killed: it
+    was recorded COMPLETE, its intermediate values cut off at the pruned step."""
+    control = Control(prune_at=1, ask_s=0.5)
+    result = LocalExecutor().run(spec(tmp_path, """\
+        import time
+        print('{"step": 1, "val_error": 0.9}', flush=True)
+        time.sleep(0.1)
+        print("val_error=0.5 test_error=0.4")
+        """), control)
+    assert (result.outcome, result.reason, result.step, dict(result.held_out)) == (
+        Outcome.PRUNED, "pruned at step 1", 1, {})
+
+
 def test_the_sweeps_control_and_a_dask_workers_are_one_trial_control() -> None:
     """Both implement every method of the one interface; a subclass missing one is refused."""
     from hpo.dask_executor import _WorkerControl
