@@ -711,7 +711,7 @@ def _check_condition(name: str, param: Param, earlier: list[str], params: dict[s
                              f"so {name} would never be searched")
         for value in _listed(wanted):
             if _choice_key(value) not in {_choice_key(choice) for choice in choices}:
-                raise ValueError(f"parameters.{name}.condition: {value!r} is not a choice of {parent} "
+                raise ValueError(f"parameters.{name}.condition: {_shown(value)} is not a choice of {parent} "
                                  f"({_yaml(list(choices))}){_bool_hint(value, choices)}")
     if _needs(name, params) is None:
         raise ValueError(f"parameters.{name}.condition: it can never hold: its parents' own conditions want other "

@@ -211,7 +211,7 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
          "parameters.y.condition.opt: an empty list holds for no value of opt, so y would never be searched"),
         ({"parameters": {"n": {"type": "categorical", "choices": [1, 2]},
                          "y": {"type": "float", "low": 0, "high": 1, "condition": {"n": True}}}},
-         "parameters.y.condition: True is not a choice of n ([1, 2])"),
+         "parameters.y.condition: true is not a choice of n ([1, 2])"),
         ({"parameters": {"m": {"type": "categorical", "choices": ["b", "c"], "condition": {"opt": "a"}},
                          "y": {"type": "float", "low": 0, "high": 1, "condition": {"opt": "b", "m": "c"}}}},
          "parameters.y.condition: it can never hold: its parents' own conditions want other values"),
