@@ -10,6 +10,7 @@ reads them, elsewhere as YAML 1.1 (:class:`UniqueKeyLoader`).
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import os
 import re
@@ -19,7 +20,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from hpo.errors import InputError
 from hpo.files import utf8_text
@@ -30,6 +40,17 @@ MODEL_METHODS = ("tpe", "gp", "smac")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
 SEED_MAX = 2**31 - 1  # a seed plus a trial number or a worker's pid stays a legal NumPy seed (below 2**32)
 Scalar = bool | int | float | str
+
+
+def _not_a_switch(value: Any) -> Any:
+    """``value`` unless it is true or false, which a number field refuses (pydantic reads them as 1 and 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is not a number")  # noqa: TRY004 (pydantic reports a ValueError)
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_not_a_switch)]
+"""A number: YAML's true and false are not 1 and 0 here (``timeout: true`` was a 1 s timeout)."""
 
 
 class _Frozen(BaseModel):
@@ -44,15 +65,15 @@ class Param(_Frozen):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     type: Literal["int", "float", "categorical", "constant", "bool"]
-    low: float | None = None
-    high: float | None = None
+    low: Number | None = None
+    high: Number | None = None
     log: bool = False
-    step: float | None = None
+    step: Number | None = None
     choices: tuple[Scalar, ...] | None = None
     value: Scalar | None = None
     distribution: Literal["uniform", "normal"] = "uniform"
-    mean: float | None = None
-    std: float | None = None
+    mean: Number | None = None
+    std: Number | None = None
     condition: dict[str, Scalar | list[Scalar]] | None = None
     flag: str | None = Field(default=None, pattern=r"^-{1,2}[A-Za-z0-9][\w.\-]*$")
 
@@ -452,9 +473,9 @@ class Resources(_Frozen):
     processes_per_trial: StrictInt | None = Field(default=None, ge=1)
     gpus: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None
     torchrun: bool | Literal["auto"] = "auto"
-    timeout: float | None = Field(default=None, gt=0)
-    heartbeat: float = Field(default=10.0, gt=0)
-    store_retry: float = Field(default=300.0, ge=0)
+    timeout: Number | None = Field(default=None, gt=0)
+    heartbeat: Number = Field(default=10.0, gt=0)
+    store_retry: Number = Field(default=300.0, ge=0)
     cluster: Cluster | None = None
 
     @field_validator("cluster", mode="before")
@@ -608,6 +629,11 @@ class Scenario(_Frozen):
             if distributed(key):
                 raise ValueError(f"env.{key}: torchrun sets it for each trial process; one value for every trial "
                                  "would give each process a wrong place in a distributed job")
+        launcher = _launcher(self.command)
+        if launcher is not None and self.resources.torchrun is not False:
+            raise ValueError(f"command: it starts {launcher} itself, and hpo starts each trial's processes (under "
+                             "torchrun where a trial has several): give the script (python train.py) and set "
+                             "resources.processes_per_trial, or set resources.torchrun: false to launch it yourself")
         _check_columns(self)
         _check_flags(self)
         for index, (name, param) in enumerate(self.parameters.items()):
@@ -654,6 +680,22 @@ def _name_problem(name: str) -> str | None:
         return f"{name!r} holds '=', which would end its flag's name (--{name}); rename the parameter"
     if name.startswith("-"):
         return f"{name!r} starts with '-', which its flag adds itself (--name); rename the parameter"
+    return None
+
+
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _launcher(command: tuple[str, ...]) -> str | None:
+    """The distributed launcher that ``command`` starts (``torchrun``, ``python -m
+    torch.distributed.run``), or None."""
+    program = Path(command[0]).name
+    if program == "torchrun":
+        return "torchrun"
+    if program.startswith("python"):
+        module = next((arg for flag, arg in itertools.pairwise(command[1:]) if flag == "-m"), None)
+        if module in _LAUNCHER_MODULES:
+            return f"python -m {module}"
     return None
 
 

@@ -195,6 +195,13 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
         (_p("x", distribution="normal", mean=0.5, std=0), "parameters.x.std: must be positive"),
         (_p("x", mean=0.5), "parameters.x.mean: only distribution normal takes"),
         (_p("x", low=float("nan")), "parameters.x.low: .nan is not a finite number"),
+        (_p("x", low=True, high=2), "parameters.x.low: true is not a number"),
+        ({"resources": {"timeout": True}}, "resources.timeout: true is not a number"),  # was a 1 s timeout
+        ({"resources": {"heartbeat": False}}, "resources.heartbeat: false is not a number"),
+        ({"command": "torchrun --nproc-per-node 2 train.py"},
+         "command: it starts torchrun itself, and hpo starts each trial's processes"),
+        ({"command": "python -m torch.distributed.launch train.py"},
+         "command: it starts python -m torch.distributed.launch itself"),
         (_p("x", high=float("inf")), "parameters.x.high: .inf is not a finite number"),
         (_p("x", step=float("nan")), "parameters.x.step: .nan is not a finite number"),
         (_p("n", type="int", low=0, high=float("inf")), "parameters.n.high: .inf is not a finite number"),
@@ -555,3 +562,11 @@ def test_a_program_that_lost_its_execute_bit_is_bad_input(tmp_path: Path, write_
     assert not list(tmp_path.glob("runs/*/trial-*"))
     (tmp_path / "run.sh").chmod(0o755)
     assert run_cli("validate", path, cwd=tmp_path).returncode == 0
+
+
+def test_a_command_that_launches_itself_may_under_torchrun_false(tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """torchrun in the command, under hpo's own torchrun, ran each trial as two 2-rank jobs
+    that reported every metric twice; with torchrun: false the command launches itself."""
+    path = write_scenario(tmp_path, command="/usr/bin/torchrun --nproc-per-node 2 train.py",
+                          resources={"torchrun": False})
+    assert load_scenario(path).command[0] == "/usr/bin/torchrun"
