@@ -32,7 +32,7 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte",
 )
 _IDX_UBYTE = 0x08
-_MNIST_HELP = "download them from the MNIST site and place them there, gzipped or not"
+_MNIST_HELP = "download the four MNIST files from the MNIST site and place them there, gzipped or not"
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)  # per channel, of pixels scaled to [0, 1]
 
@@ -134,8 +134,7 @@ def load_mnist(data_dir: str | Path) -> tuple[Split, Split]:
     found = {name: _find_mnist_file(directory, name) for name in MNIST_FILES}
     missing = [name for name, path in found.items() if path is None]
     if missing:
-        raise InputError(f"MNIST data not found: expected {', '.join(missing)} in {directory} "
-                         f"({_MNIST_HELP})")
+        raise InputError(f"MNIST data not found in {directory}: {_MNIST_HELP} (missing: {', '.join(missing)})")
     arrays = {name: read_idx(path) for name, path in found.items() if path is not None}
     splits = []
     for prefix in ("train", "t10k"):
@@ -204,8 +203,7 @@ def load_cifar10(data_dir: str | Path) -> tuple[Split, Split]:
     names = (*CIFAR10_TRAIN_BATCHES, CIFAR10_TEST_BATCH)
     missing = [name for name in names if not (directory / name).is_file()]
     if missing:
-        raise InputError(f"CIFAR-10 data not found: expected {', '.join(missing)} in "
-                         f"{directory} ({_CIFAR10_HELP})")
+        raise InputError(f"CIFAR-10 data not found in {directory}: {_CIFAR10_HELP} (missing: {', '.join(missing)})")
     train = [_read_cifar10_batch(directory / name) for name in CIFAR10_TRAIN_BATCHES]
     test = _read_cifar10_batch(directory / CIFAR10_TEST_BATCH)
     train_images = np.concatenate([images for images, _ in train])
