@@ -81,7 +81,9 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     values. Only the process of global rank 0 prints, so DDP scripts may call it on every
     rank. Values must be numbers. The line is written in one call (a pipe takes up to 4 KiB
     in one piece, so other processes' output sharing it cannot land inside the line) and
-    flushed at once so the sweep sees it live. A step that is not a whole number from 0 to
+    flushed at once so the sweep sees it live. In a job of several processes it is written
+    after a newline: another rank's ``print`` writes its text and its newline apart, and its
+    text, not yet ended, would lead the line (which is then read as no report). A step that is not a whole number from 0 to
     :data:`LARGEST_STEP`, a value that is not a number, or no metric at all raise ValueError
     (TypeError for a value of a type that is no number) at once, naming what is wrong.
 
@@ -110,8 +112,20 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     if not _rank_zero():
         return
     out = file or sys.stdout
-    out.write(json.dumps(payload) + "\n")
+    out.write(("\n" if _world_size() > 1 else "") + json.dumps(payload) + "\n")
     out.flush()
+
+
+def _world_size() -> int:
+    """How many processes the job has: torch.distributed's world size once its process group
+    is initialized, else ``$WORLD_SIZE`` (1 without)."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    try:
+        return int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 1
 
 
 def _rank_zero() -> bool:

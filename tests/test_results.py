@@ -391,6 +391,24 @@ def test_report_prints_to_stdout(capsys: pytest.CaptureFixture[str], monkeypatch
     assert parse_text(capsys.readouterr().out, "val_error").final == {"val_error": 0.5}
 
 
+def test_report_in_a_job_of_several_processes_ends_another_ranks_unended_text_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's print('loss 0.5') writes 'loss 0.5' and its newline apart: rank 0's report
+    between the two led with rank 1's text and was read as no report (147 of 2,000 lost)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = io.StringIO()
+    out.write("rank 1 log line loss 0.5")  # rank 1's text, its newline still to come
+    report(file=out, step=7, val_error=0.25)
+    out.write("\n")
+    assert out.getvalue() == 'rank 1 log line loss 0.5\n{"step": 7, "val_error": 0.25}\n\n'
+    assert parse_text(out.getvalue(), "val_error").intermediate == ((7, {"val_error": 0.25}),)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    alone = io.StringIO()
+    report(file=alone, val_error=0.5)
+    assert alone.getvalue() == '{"val_error": 0.5}\n'
+
+
 @pytest.mark.parametrize("rank", ["1", "7"])
 def test_report_is_silent_off_rank_zero(rank: str, capsys: pytest.CaptureFixture[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
