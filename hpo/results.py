@@ -25,11 +25,11 @@ that another report may already hold.
 Scripts that cannot be edited are read with ``patterns``, a regular expression with one
 group per metric (``'Average loss: ([0-9.]+)'``), searched in every line, progress output
 included; the last match wins. A line that a progress bar rewrote with carriage returns is
-read update by update, so its last update wins there too. A ``step_pattern`` (``'Train Epoch: (\\d+)'``) sets
-the current step: each objective value after it, a match of the objective's pattern or a
-line in a built-in format without ``step``, is also an intermediate value at that step. A
-step match that is not a step as above is refused the same way and leaves no current step
-until the next step match.
+read update by update, so its last update wins there too. A ``step_pattern``
+(``'Train Epoch: (\\d+)'``) sets the current step: each objective value after it, a match of
+the objective's pattern or a line in a built-in format without ``step``, is also an
+intermediate value at that step. A step match that is not a step as above is refused the
+same way and leaves no current step until the next step match.
 
 Where the objective metric has no pattern, the first line that gives it a value in a form not
 read (``{'val_error': 0.25}``, ``INFO val_error=0.25``) is kept: :func:`never_reported` quotes it.
@@ -83,9 +83,10 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     in one piece, so other processes' output sharing it cannot land inside the line) and
     flushed at once so the sweep sees it live. In a job of several processes it is written
     after a newline: another rank's ``print`` writes its text and its newline apart, and its
-    text, not yet ended, would lead the line (which is then read as no report). A step that is not a whole number from 0 to
-    :data:`LARGEST_STEP`, a value that is not a number, or no metric at all raise ValueError
-    (TypeError for a value of a type that is no number) at once, naming what is wrong.
+    text, not yet ended, would lead the line (which is then read as no report). A step that
+    is not a whole number from 0 to :data:`LARGEST_STEP`, a value that is not a number, or no
+    metric at all raise ValueError (TypeError for a value of a type that is no number) at
+    once, naming what is wrong.
 
     Args:
         step: the step (epoch) of an intermediate report, a whole number from 0 to
