@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -87,18 +88,6 @@ def started_epoch(path: Path, number: int) -> float:
     return float(store.trial(number).system_attrs[SYS_STARTED]["at"])
 
 
-def running_children(pid: int) -> list[psutil.Process]:
-    """The processes ``pid`` started that still run (a child that ended is a zombie until
-    its parent, paused, reaps it)."""
-    running = []
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process(pid).children():
-            with contextlib.suppress(psutil.Error):
-                if child.status() != psutil.STATUS_ZOMBIE:
-                    running.append(child)
-    return running
-
-
 def run_two_workers_until_a_trial_runs(path: Path) -> tuple[subprocess.Popen[str], int, int]:
     """``hpo run --workers 2`` on ``path``, once a trial's process runs: the run, the trial's
     number and its worker's pid."""
@@ -112,24 +101,52 @@ def run_two_workers_until_a_trial_runs(path: Path) -> tuple[subprocess.Popen[str
 
 
 def freeze_without_the_ask_lock(pid: int, lock_path: Path) -> None:
-    """SIGSTOP ``pid`` at a moment it does not hold the study's ask lock (frozen with it, it
-    would keep every other worker from judging its trial: a wait the sweep says, see
-    test_lock_holder)."""
+    """SIGSTOP ``pid`` at a moment it holds neither the study's ask lock nor SQLite's write
+    lock (frozen with one, it would keep every other worker from judging its trial: a wait the
+    sweep says, see test_lock_holder)."""
     while True:
         os.kill(pid, signal.SIGSTOP)
         while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
             time.sleep(0.01)
-        with lock_path.open("a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                return
-            except BlockingIOError:
-                handle.seek(0)
-                if handle.read().strip().rpartition(":")[2] != str(pid):
-                    return
+        if _not_asking(pid, lock_path) and _store_writable(lock_path.with_name("study.db")):
+            return
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
+
+
+def _not_asking(pid: int, lock_path: Path) -> bool:
+    """Whether ``pid`` does not hold the ask lock at ``lock_path``."""
+    with lock_path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return True
+        except BlockingIOError:
+            handle.seek(0)
+            return handle.read().strip().rpartition(":")[2] != str(pid)
+
+
+def _store_writable(database: Path) -> bool:
+    """Whether no process holds the SQLite store's write lock now."""
+    with contextlib.closing(sqlite3.connect(database, timeout=0.05, isolation_level=None)) as conn:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            return False
+        conn.execute("ROLLBACK")
+        return True
+
+
+def trial_processes(pid: int) -> list[psutil.Process]:
+    """The trial processes (``python trial.py``) that ``pid`` started and that still run (one
+    that ended is a zombie until its parent, paused, reaps it)."""
+    running = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "trial.py" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                    running.append(child)
+    return running
 
 
 def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_path: Path) -> None:
@@ -144,9 +161,9 @@ def test_a_worker_paused_past_its_heartbeat_says_its_trial_was_judged_lost(tmp_p
     freeze_without_the_ask_lock(pid, path.parent / "runs" / "sweep" / "study.db.hpo-lock")
     frozen_at = time.time()
     try:  # paused until the trial is judged lost and its process has ended (slow to start on a loaded machine)
-        while not (any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path))
-                   and not running_children(pid)):
-            assert time.monotonic() < deadline + 60
+        while not ((lost := any(r["number"] == str(number) and r["state"] == "LOST" for r in rows(path)))
+                   and not trial_processes(pid)):
+            assert time.monotonic() < deadline + 60, (lost, [p.cmdline() for p in trial_processes(pid)])
             time.sleep(0.2)
     finally:
         os.kill(pid, signal.SIGCONT)
