@@ -49,7 +49,7 @@ import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 STEP_KEY = "step"
 SMAC_PREFIXES = ("Result of this algorithm run:", "Result for SMAC:")
@@ -117,12 +117,21 @@ def report(step: int | None = None, file: TextIO | None = None, **metrics: float
     out.flush()
 
 
+def _process_group() -> Any:
+    """``torch.distributed`` where the script imported it and initialized its process group,
+    else None (this module never imports torch)."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed
+    return None
+
+
 def _world_size() -> int:
     """How many processes the job has: torch.distributed's world size once its process group
     is initialized, else ``$WORLD_SIZE`` (1 without)."""
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return int(distributed.get_world_size())
+    group = _process_group()
+    if group is not None:
+        return int(group.get_world_size())
     try:
         return int(os.environ.get("WORLD_SIZE") or 1)
     except ValueError:
@@ -132,9 +141,9 @@ def _world_size() -> int:
 def _rank_zero() -> bool:
     """Whether this process is of global rank 0: torch.distributed's rank once its process
     group is initialized (``mp.spawn`` sets no ``RANK``: every rank printed), else ``$RANK``."""
-    distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return bool(distributed.get_rank() == 0)
+    group = _process_group()
+    if group is not None:
+        return bool(group.get_rank() == 0)
     return (os.environ.get("RANK") or "0") == "0"
 
 

@@ -103,7 +103,7 @@ class Param(_Frozen):
                 if repr(a) == repr(b):
                     raise ValueError(f"choices: {_shown(a)} is listed twice, as YAML reads the values (1e-3 and 0.001, "
                                      "0x10 and 16, true and True are one value); keep one")
-                raise ValueError(f"choices: {_yaml(a)} and {_yaml(b)} compare equal, so a trial's value "
+                raise ValueError(f"choices: {yaml_text(a)} and {yaml_text(b)} compare equal, so a trial's value "
                                  "cannot tell them apart; keep one")
         elif self.choices is not None:
             raise ValueError(f"choices: only a categorical parameter has choices, not {self.type}")
@@ -119,7 +119,7 @@ class Param(_Frozen):
         return self.distribution == "normal"
 
 
-def _yaml(value: Any) -> str:
+def yaml_text(value: Any) -> str:
     """``value`` as YAML writes it (``true``, ``1``, ``1.0``, ``'a'``)."""
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
@@ -417,7 +417,7 @@ class Cluster(_Frozen):
     @classmethod
     def _walltime_text(cls, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):  # a ValueError, which pydantic reports
-            raise ValueError(f"got the number {_yaml(value)}; quote the walltime, e.g. '02:00:00' "  # noqa: TRY004
+            raise ValueError(f"got the number {yaml_text(value)}; quote the walltime, e.g. '02:00:00' "  # noqa: TRY004
                              "(YAML reads 2:00:00 unquoted as the number 7200)")
         return value
 
@@ -505,14 +505,14 @@ class Resources(_Frozen):
     @classmethod
     def _parallel(cls, value: Any) -> Any:
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"expected a whole number of trials at once (1 or more) or auto, got {_yaml(value)}")
+            raise ValueError(f"expected a whole number of trials at once (1 or more) or auto, got {yaml_text(value)}")
         return value
 
     @field_validator("torchrun", mode="before")
     @classmethod
     def _torchrun(cls, value: Any) -> Any:
         if value != "auto" and not isinstance(value, bool):
-            raise ValueError(f"expected auto, true or false, got {_yaml(value)}")
+            raise ValueError(f"expected auto, true or false, got {yaml_text(value)}")
         return value
 
     @field_validator("gpus_per_trial", mode="before")
@@ -754,7 +754,7 @@ def _check_condition(name: str, param: Param, earlier: list[str], params: dict[s
         for value in _listed(wanted):
             if _choice_key(value) not in {_choice_key(choice) for choice in choices}:
                 raise ValueError(f"parameters.{name}.condition: {_shown(value)} is not a choice of {parent} "
-                                 f"({_yaml(list(choices))}){_bool_hint(value, choices)}")
+                                 f"({yaml_text(list(choices))}){_bool_hint(value, choices)}")
     if _needs(name, params) is None:
         raise ValueError(f"parameters.{name}.condition: it can never hold: its parents' own conditions want other "
                          f"values of the parameters it names, so {name} would never be searched")
@@ -857,19 +857,19 @@ _EXPECTED_LISTS = {
 
 def _shown(value: Any) -> str:
     """``value`` for a message: a string quoted, anything else as YAML writes it."""
-    return repr(value) if isinstance(value, str) else _yaml(value)
+    return repr(value) if isinstance(value, str) else yaml_text(value)
 
 
 def _not_text(value: Any) -> str:
     """Why ``value``, an ``env`` value that YAML did not read as text (nor as a number), is refused."""
     if isinstance(value, (list, dict)):
-        return f"env values are text, not a {'list' if isinstance(value, list) else 'mapping'} ({_yaml(value)})"
+        return f"env values are text, not a {'list' if isinstance(value, list) else 'mapping'} ({yaml_text(value)})"
     if isinstance(value, bool):
-        return (f"{_yaml(value)} is not text (YAML reads true/false, yes/no and on/off unquoted as true/false); "
-                f"quote it, e.g. '{_yaml(value)}'")
+        return (f"{yaml_text(value)} is not text (YAML reads true/false, yes/no and on/off unquoted as true/false); "
+                f"quote it, e.g. '{yaml_text(value)}'")
     if value is None:
         return "null is not text (YAML reads ~, null and nothing unquoted as null); quote it, or write ''"
-    return f"{_yaml(value)} is not text (YAML reads it unquoted as a {type(value).__name__}); quote it"
+    return f"{yaml_text(value)} is not text (YAML reads it unquoted as a {type(value).__name__}); quote it"
 
 
 _FLAG_WORDS = "a flag: - or -- and a letter or digit, then letters, digits, _ . or - (no spaces), e.g. --lr"
@@ -886,11 +886,11 @@ def _format_error(error: dict[str, Any]) -> str:
     if scalar or error["type"] == "finite_number":
         value = error["input"]
         if isinstance(value, float) and not math.isfinite(value):
-            message = f"{_yaml(value)} is not a finite number"
+            message = f"{yaml_text(value)} is not a finite number"
         else:
             kinds = "a number, a string, true/false or a list of them" if "condition" in loc else \
                 "a number, a string or true/false"
-            message = f"{_yaml(value)} is not {kinds}"
+            message = f"{yaml_text(value)} is not {kinds}"
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
         head, sep, rest = message.partition(": ")
@@ -898,7 +898,7 @@ def _format_error(error: dict[str, Any]) -> str:
             loc, message = loc + (head,), rest
     if loc and loc[-1] == "[key]":  # a mapping key that YAML read as a bool, a number or null
         words = "true/false" if loc[0] == "parameters" else "yes/no, on/off, true/false"
-        loc, message = loc[:-2], (f"the name {_yaml(error['input'])} is not a string: YAML reads {words}, "
+        loc, message = loc[:-2], (f"the name {yaml_text(error['input'])} is not a string: YAML reads {words}, "
                                   "null and numbers unquoted as such; quote the name")
     if len(loc) == 2 and loc[0] == "env" and error["type"] == "string_type":
         message = _not_text(error["input"])
@@ -995,7 +995,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
-            path = self._child(node, key_node.value if isinstance(key_node, yaml.ScalarNode) else _yaml(key))
+            path = self._child(node, key_node.value if isinstance(key_node, yaml.ScalarNode) else yaml_text(key))
             line = key_node.start_mark.line + 1
             try:
                 first = lines.get(key)

@@ -39,7 +39,7 @@ from hpo.files import utf8_text
 from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
-from hpo.scenario import Scenario
+from hpo.scenario import Scenario, yaml_text
 from hpo.spacecheck import INDEXED_DESIGNS, design_change, space_change, stored_change
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
@@ -600,7 +600,6 @@ def _read_otherwise(stored: Mapping[str, optuna.distributions.BaseDistribution],
             continue
         as_before = {yaml.safe_load(choice) if isinstance(choice, str) else choice for choice in param.choices}
         if as_before == set(distribution.choices):
-            written = ", ".join(yaml.safe_dump(choice).removesuffix("\n...\n").strip() for choice in distribution.choices)
             return (f"; hpo now reads parameters as YAML 1.2 does ({name}'s choices {', '.join(map(str, param.choices))} "
-                    f"are text): write [{written}] to resume the study")
+                    f"are text): write {yaml_text(list(distribution.choices))} to resume the study")
     return ""
