@@ -1369,12 +1369,12 @@ def _located(message: str, args: argparse.Namespace | None) -> str:
     """An error ``message``, led by the scenario file's name where it names a field of the
     scenario the command was given (:func:`hpo.errors.in_scenario`)."""
     from hpo.errors import in_scenario
-    from hpo.scenario import Scenario
+    from hpo.scenario import Scenario, allowed_keys
 
     scenario = getattr(args, "scenario", None)
     if not isinstance(scenario, str):
         return message
-    return in_scenario(message, Path(scenario).name, [field for field in Scenario.model_fields if field != "path"])
+    return in_scenario(message, Path(scenario).name, allowed_keys(Scenario))
 
 
 def _stdout_gone() -> None:

@@ -45,7 +45,7 @@ Scalar = bool | int | float | str
 def _not_a_switch(value: Any) -> Any:
     """``value`` unless it is true or false, which a number field refuses (pydantic reads them as 1 and 0)."""
     if isinstance(value, bool):
-        raise ValueError(f"{str(value).lower()} is not a number")  # noqa: TRY004 (pydantic reports a ValueError)
+        raise ValueError(f"{yaml_text(value)} is not a number")  # noqa: TRY004 (pydantic reports a ValueError)
     return value
 
 
@@ -816,7 +816,8 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
     return out
 
 
-def _allowed_keys(model: type[BaseModel] | None) -> list[str]:
+def allowed_keys(model: type[BaseModel] | None) -> list[str]:
+    """The keys ``model`` (a part of the scenario; None: none) may be given in a scenario file."""
     return [k for k in model.model_fields if k != "path"] if model else []
 
 
@@ -903,7 +904,7 @@ def _format_error(error: dict[str, Any]) -> str:
     if len(loc) == 2 and loc[0] == "env" and error["type"] == "string_type":
         message = _not_text(error["input"])
     if error["type"] == "extra_forbidden":
-        allowed = _allowed_keys(_owner(loc))
+        allowed = allowed_keys(_owner(loc))
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else f" (allowed: {', '.join(allowed)})"
         message = f"unknown key{hint}"
