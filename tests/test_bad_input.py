@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from hpo.errors import in_scenario
-from hpo.scenario import Scenario
+from hpo.scenario import Scenario, allowed_keys
 
 WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -220,7 +220,7 @@ def assert_input_error(result: subprocess.CompletedProcess[str], *expect: str) -
     assert lines[0].startswith("error: "), lines[0]
     for text in expect:
         assert text in lines[0], (text, lines[0])
-    fields = "|".join(field for field in Scenario.model_fields if field != "path")
+    fields = "|".join(allowed_keys(Scenario))
     assert not re.match(rf"error: ({fields})[.:]", lines[0]), f"a scenario's field without its file: {lines[0]}"
 
 
