@@ -21,6 +21,13 @@ WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
+def _refusal(path: Path) -> str:
+    """The one line that loading the scenario at ``path`` refuses it with."""
+    with pytest.raises(InputError) as info:
+        load_scenario(path)
+    return str(info.value)
+
+
 def test_valid_scenario_loads(scenario_path: Path) -> None:
     scenario = load_scenario(scenario_path)
     assert scenario.name == "demo"
@@ -280,9 +287,7 @@ def _p(name: str, **spec: Any) -> dict[str, Any]:
 def test_invalid_scenarios_name_the_field(tmp_path: Path, write_scenario: WriteScenario,
                                           overrides: dict[str, Any], expected: str) -> None:
     path = write_scenario(tmp_path, **overrides)
-    with pytest.raises(InputError) as info:
-        load_scenario(path)
-    message = str(info.value)
+    message = _refusal(path)
     assert message.startswith("scenario.yaml: ")
     assert expected in message
     assert "\n" not in message
@@ -369,9 +374,7 @@ def test_a_scenario_that_is_not_utf8_names_the_file_and_line(tmp_path: Path, dat
                                                              byte: str) -> None:
     path = tmp_path / "lat.yaml"
     path.write_bytes(data)
-    with pytest.raises(InputError) as info:
-        load_scenario(path)
-    assert str(info.value) == f"lat.yaml line {line}: not UTF-8 text (byte {byte}); save it as UTF-8"
+    assert _refusal(path) == f"lat.yaml line {line}: not UTF-8 text (byte {byte}); save it as UTF-8"
 
 
 def test_a_utf8_scenario_and_template_run_under_an_ascii_locale(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -390,13 +393,9 @@ def test_a_utf8_scenario_and_template_run_under_an_ascii_locale(tmp_path: Path, 
 
 
 def test_a_folder_for_the_scenario_is_called_a_folder(tmp_path: Path, write_scenario: WriteScenario) -> None:
-    with pytest.raises(InputError) as info:
-        load_scenario(tmp_path)
-    assert str(info.value) == f"{tmp_path} is a folder; name the scenario file in it"
+    assert _refusal(tmp_path) == f"{tmp_path} is a folder; name the scenario file in it"
     path = write_scenario(tmp_path)
-    with pytest.raises(InputError) as info:
-        load_scenario(tmp_path)
-    assert str(info.value) == f"{tmp_path} is a folder; name the scenario file in it, e.g. {path}"
+    assert _refusal(tmp_path) == f"{tmp_path} is a folder; name the scenario file in it, e.g. {path}"
     with pytest.raises(InputError, match="nope.yaml: scenario file not found"):
         load_scenario(tmp_path / "nope.yaml")
 
@@ -459,9 +458,7 @@ def test_the_parameters_are_read_as_yaml_1_2_reads_them(tmp_path: Path, write_sc
 def test_choices_that_yaml_reads_alike_say_so(tmp_path: Path, write_scenario: WriteScenario, choices: str,
                                               expected: str) -> None:
     path = _with_lines(write_scenario(tmp_path), parameters=f"  c: {{type: categorical, choices: {choices}}}\n")
-    with pytest.raises(InputError) as info:
-        load_scenario(path)
-    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+    assert _refusal(path).startswith(f"scenario.yaml: {expected}")
 
 
 @pytest.mark.parametrize(("text", "line", "anchor"), [
@@ -475,9 +472,7 @@ def test_an_alias_inside_its_own_node_names_the_file_and_line(tmp_path: Path, te
     """PyYAML builds such a loop, and hpo recursed through it until a RecursionError (exit code 1)."""
     path = tmp_path / "loop.yaml"
     path.write_text(text)
-    with pytest.raises(InputError) as info:
-        load_scenario(path)
-    assert str(info.value) == (f"loop.yaml line {line}: the alias *{anchor} refers to itself (it lies inside the "
+    assert _refusal(path) == (f"loop.yaml line {line}: the alias *{anchor} refers to itself (it lies inside the "
                                f"node &{anchor} names)")
 
 
@@ -495,9 +490,7 @@ def test_an_alias_inside_its_own_node_names_the_file_and_line(tmp_path: Path, te
 def test_an_env_value_that_is_not_text_says_to_quote_it(tmp_path: Path, write_scenario: WriteScenario, value: str,
                                                          expected: str) -> None:
     path = _with_lines(write_scenario(tmp_path), extra=f"env: {{WANDB_SILENT: {value}}}\n")
-    with pytest.raises(InputError) as info:
-        load_scenario(path)
-    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+    assert _refusal(path).startswith(f"scenario.yaml: {expected}")
     path = _with_lines(write_scenario(tmp_path), extra=f"env: {{WANDB_SILENT: '{value}', N: 4}}\n")
     assert load_scenario(path).env == {"WANDB_SILENT": value, "N": "4"}
 
@@ -507,9 +500,7 @@ def test_an_env_value_that_is_not_text_says_to_quote_it(tmp_path: Path, write_sc
 def test_env_leaves_a_trials_place_in_a_distributed_job_to_torchrun(tmp_path: Path, write_scenario: WriteScenario,
                                                                      name: str) -> None:
     """report() prints on rank 0 only: env RANK: '1' failed every trial with "val_error was never reported"."""
-    with pytest.raises(InputError) as info:
-        load_scenario(write_scenario(tmp_path, env={name: "1"}))
-    assert str(info.value).startswith(f"scenario.yaml: env.{name}: torchrun sets it for each trial process; ")
+    assert _refusal(write_scenario(tmp_path, env={name: "1"})).startswith(f"scenario.yaml: env.{name}: torchrun sets it for each trial process; ")
     assert load_scenario(write_scenario(tmp_path, env={"NCCL_DEBUG": "INFO", "RANKING": "1"})).env["RANKING"] == "1"
 
 
@@ -529,9 +520,7 @@ SLURM = {"kind": "slurm", "cores": 4, "memory": "16GB"}
 ])
 def test_a_cluster_says_what_is_wrong_with_it(tmp_path: Path, write_scenario: WriteScenario,
                                               cluster: dict[str, Any], expected: str) -> None:
-    with pytest.raises(InputError) as info:
-        load_scenario(write_scenario(tmp_path, resources={"cluster": cluster}))
-    assert str(info.value).startswith(f"scenario.yaml: {expected}")
+    assert _refusal(write_scenario(tmp_path, resources={"cluster": cluster})).startswith(f"scenario.yaml: {expected}")
 
 
 @pytest.mark.parametrize(("kind", "walltimes"), [
