@@ -1027,14 +1027,12 @@ def cmd_rerun(args: argparse.Namespace) -> int:
     code = signals.exit_code(sweep.stop_note, sweep.stop_ended)
     if code is not None:
         return code
-    from hpo.progress import format_metrics
+    from hpo.progress import ended_text
 
     metric = ctx.scenario.objective.metric
-    detail = format_metrics(result.value, metric, result.held_out, order=ctx.scenario.objective.held_out) + \
-        (f" ({result.note})" if result.note else "") if result.outcome.value == "COMPLETE" else result.reason
     original = sweep.store.rows([sweep.store.trial(args.trial)])[0]
-    print(f"trial {row.number} (rerun of {args.trial}) {result.outcome.value} in {result.duration_s:.1f} s: "
-          f"{detail}; {_reproduced(metric, args.trial, original.value, result.value)}folder {row.folder}")
+    print(f"trial {row.number} (rerun of {args.trial}) {ended_text(result, metric, ctx.scenario.objective.held_out)}; "
+          f"{_reproduced(metric, args.trial, original.value, result.value)}folder {row.folder}")
     return EXIT_OK if result.outcome.value == "COMPLETE" else EXIT_ERROR
 
 

@@ -117,7 +117,7 @@ def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
 LABELS = {Outcome.FAIL: "failed", Outcome.TIMEOUT: "timed out"}
 
 
-def _ended(result: TrialResult, metric: str, order: Sequence[str]) -> str:
+def ended_text(result: TrialResult, metric: str, order: Sequence[str]) -> str:
     """``COMPLETE in 3.1 s: val_error=0.05``, or the reason of a trial that did not complete."""
     detail = format_metrics(result.value, metric, result.held_out, order=order) + \
         (f" ({result.note})" if result.note else "") if result.outcome is Outcome.COMPLETE else result.reason
@@ -138,16 +138,16 @@ def end_line(end: TrialEnd, metric: str, order: Sequence[str] = ()) -> str:
     if end.unrecorded is not None:
         return (f"trial {end.number} judged lost by another worker (this one could not beat its heartbeat "
                 f"in time): recorded {result.outcome} after {result.duration_s:.1f} s{again}; its end here "
-                f"({_ended(end.unrecorded, metric, order)}) is not recorded: it stays in {end.folder}")
+                f"({ended_text(end.unrecorded, metric, order)}) is not recorded: it stays in {end.folder}")
     if not end.worker:
-        return f"trial {end.number} {_ended(result, metric, order)}"
+        return f"trial {end.number} {ended_text(result, metric, order)}"
     why = f": {end.why}" if end.why else ""
     if result.outcome is Outcome.LOST or result.reason.startswith("lost "):
         reason = "" if result.outcome is Outcome.LOST else f": {result.reason}"
         return (f"trial {end.number} (worker {end.worker}) judged lost{why}; recorded {result.outcome} "
                 f"after {result.duration_s:.1f} s{reason}{again}")
     return f"trial {end.number} (worker {end.worker}) found gone{why}; recorded from its folder: " \
-           f"{_ended(result, metric, order)}{again}"
+           f"{ended_text(result, metric, order)}{again}"
 
 
 def past_budget_note(t: Tally) -> str:
