@@ -733,9 +733,7 @@ class Sweep:
             running = self._running.get(claim.number)
             if running is not None:
                 running.ended_elsewhere = True
-        recorded = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason,
-                               note=row.note)
-        return TrialEnd(claim.number, claim.params, recorded, unrecorded=result, folder=str(claim.folder),
+        return TrialEnd(claim.number, claim.params, row.result(), unrecorded=result, folder=str(claim.folder),
                         again_as=queued_again(store.rows()).get(claim.number))
 
     def _settle(self, claim: Claim, result: TrialResult) -> None:

@@ -361,8 +361,7 @@ def follow_store(store: StudyStore, observer: Observer, finished: Callable[[], b
                                             Path(row.folder), repeat_of(row)))
             if row.outcome.ended and row.number not in ended:
                 ended.add(row.number)
-                result = TrialResult(row.outcome, row.value, row.held_out, row.duration_s or 0.0, row.reason,
-                                     note=row.note)
+                result = row.result()
                 worker = str(run_info(store.trial(row.number)).get("worker", "")) if row.outcome is Outcome.LOST else ""
                 observer.finished(TrialEnd(row.number, row.params, result, worker, again_as=again.get(row.number)))
         if done:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpo import space
-from hpo.outcome import Outcome
+from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import Param
 
 
@@ -55,6 +55,10 @@ class TrialRow:
     def state(self) -> str:
         """The outcome's name, as the CSV's ``state`` column writes it."""
         return self.outcome.value
+
+    def result(self) -> TrialResult:
+        """How the trial ended, as the store recorded it (its row is of an ended trial)."""
+        return TrialResult(self.outcome, self.value, self.held_out, self.duration_s or 0.0, self.reason, note=self.note)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrialRow))
