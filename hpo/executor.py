@@ -320,8 +320,8 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
     steps = [step for step, values in metrics.intermediate if objective.metric in values]
     step = pruned_at if pruned_at is not None and ended_by == "pruned" else (steps[-1] if steps else None)
 
-    def ended(outcome: Outcome, reason: str, value: float | None = None) -> TrialResult:
-        return TrialResult(outcome, value, kept, duration_s, reason, step)
+    def ended(outcome: Outcome, reason: str, value: float | None = None, note: str = "") -> TrialResult:
+        return TrialResult(outcome, value, kept, duration_s, reason, step, note)
 
     if ended_by == "timeout":
         late = "" if sigkill_after_s is None else f"; it ignored SIGTERM and was killed {sigkill_after_s:g} s later"
@@ -357,7 +357,7 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         return ended(Outcome.FAIL, f"{metric} is {value}")
     note = "; ".join(not_finite_note(name, metrics.final[name]) for name in objective.held_out
                      if name in metrics.final and name not in kept)
-    return replace(ended(Outcome.COMPLETE, "", value), note=note)
+    return ended(Outcome.COMPLETE, "", value, note)
 
 
 SCRIPT_RESULT_FILE = "result.script.json"
