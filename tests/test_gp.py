@@ -77,3 +77,41 @@ def test_importing_the_optimizer_leaves_scipy_stats_for_the_first_warp() -> None
     code = "import sys, hpo.optimizer; print('scipy.stats' in sys.modules)"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert shown.strip() == "False"
+
+
+UNIT = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
+
+
+def _bowl(codec: Codec, x: np.ndarray, pending: np.ndarray | None = None) -> Observations:
+    costs = (x[:, 0] - 0.3) ** 2 + (x[:, 1] - 0.6) ** 2
+    pending = np.empty((0, codec.dim)) if pending is None else pending
+    return Observations(x, costs, np.zeros(len(x), dtype=bool), pending, frozenset(keys(np.vstack([x, pending]))))
+
+
+def test_the_mean_minimum_lies_at_the_bottom_of_a_smooth_bowl() -> None:
+    codec = Codec(UNIT)
+    point = GPProposer(codec, seed=0).mean_minimum(_bowl(codec, codec.sample(20, np.random.default_rng(3))))
+    assert point is not None and abs(point["x"] - 0.3) < 0.03 and abs(point["y"] - 0.6) < 0.03
+
+
+@pytest.mark.parametrize("where", ["tried", "running"])
+def test_no_mean_minimum_where_that_point_was_tried_or_is_running(where: str) -> None:
+    """Refining on a point already tried teaches nothing, and parallel workers must not pile
+    onto one point: the GP then proposes by expected improvement."""
+    codec = Codec(UNIT)
+    x = codec.sample(20, np.random.default_rng(3))
+    bottom = codec.encode([{"x": 0.3, "y": 0.6}])
+    observations = _bowl(codec, np.vstack([x, bottom])) if where == "tried" else _bowl(codec, x, pending=bottom)
+    assert GPProposer(codec, seed=0).mean_minimum(observations) is None
+
+
+def test_the_mean_minimum_keeps_the_best_trials_choices_and_needs_enough_of_them() -> None:
+    params = {**UNIT, "kind": Param(type="categorical", choices=["a", "b"])}
+    codec = Codec(params)
+    x = codec.sample(30, np.random.default_rng(4))
+    costs = (x[:, 0] - 0.3) ** 2 + (x[:, 1] - 0.6) ** 2 + np.where(x[:, 2] == 1, 0.0, 0.5)  # "b" is better
+    observations = Observations(x, costs, np.zeros(30, dtype=bool), np.empty((0, 3)), frozenset(keys(x)))
+    point = GPProposer(codec, seed=0).mean_minimum(observations)
+    assert point is not None and point["kind"] == "b"
+    few = Observations(x[:4], costs[:4], np.zeros(4, dtype=bool), np.empty((0, 3)), frozenset(keys(x[:4])))
+    assert GPProposer(codec, seed=0).mean_minimum(few) is None

@@ -247,6 +247,7 @@ def test_running_start_draws_count_toward_the_gps_random_start(monkeypatch: pyte
     proposals = []
     real = GPProposer.propose
     monkeypatch.setattr(GPProposer, "propose", lambda self, obs: proposals.append(len(obs.y)) or real(self, obs))
+    monkeypatch.setattr(GPProposer, "mean_minimum", lambda self, obs: None)
     params = {"x": Param(type="float", low=0.0, high=1.0), "y": Param(type="float", low=0.0, high=1.0)}
     study = optuna.create_study(sampler=build_sampler("smac", params, seed=2))
     for _ in range(3):  # three other workers' trials, still running
@@ -266,9 +267,17 @@ def models_used(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from hpo.gp import GPProposer
 
     used: list[str] = []
-    gp_propose, forest_ranked = GPProposer.propose, forest_service.ranked
+    gp_propose, gp_mean, forest_ranked = GPProposer.propose, GPProposer.mean_minimum, forest_service.ranked
     monkeypatch.setattr(GPProposer, "propose", lambda self, obs: used.append("gp")
                         or gp_propose(self, obs))
+
+    def mean_minimum(self: GPProposer, obs: Any) -> Any:
+        point = gp_mean(self, obs)
+        if point is not None:  # else the GP proposes by expected improvement
+            used.append("gp")
+        return point
+
+    monkeypatch.setattr(GPProposer, "mean_minimum", mean_minimum)
     monkeypatch.setattr(forest_service, "ranked", lambda *a, **k: used.append("forest") or forest_ranked(*a, **k))
     return used
 
@@ -319,6 +328,28 @@ def test_a_history_with_pruned_trials_keeps_the_gp_whatever_ties(models_used: li
     study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
     study.optimize(objective, n_trials=16)
     assert models_used and set(models_used) == {"gp"}
+
+
+def test_every_third_gp_proposal_is_where_its_mean_is_lowest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the GP has 20 costs, every third trial (20, 23, ...) refines the best region (the
+    GP's posterior mean at its lowest); the others are the GP's expected-improvement proposals."""
+    from hpo.gp import GPProposer
+
+    refined: dict[int, dict[str, Any]] = {}
+    real = GPProposer.mean_minimum
+    params = {"x": Param(type="float", low=-2.0, high=2.0), "y": Param(type="float", low=-1.0, high=3.0)}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=3))
+    monkeypatch.setattr(GPProposer, "mean_minimum",
+                        lambda self, obs: refined.setdefault(len(study.trials) - 1, real(self, obs)))
+
+    def rosenbrock(trial: optuna.Trial) -> float:
+        x, y = _suggest(params)(trial).values()
+        return 100 * (y - x ** 2) ** 2 + (1 - x) ** 2
+
+    study.optimize(rosenbrock, n_trials=27)
+    assert sorted(refined) == [20, 23, 26] and refined[20] is not None
+    for number, point in refined.items():  # None once the bottom was tried: expected improvement proposed
+        assert point is None or study.trials[number].params == point
 
 
 def test_the_gp_is_shown_the_running_trials() -> None:
