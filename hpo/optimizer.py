@@ -111,7 +111,7 @@ class SmacSampler(BaseSampler):
     GP's random start also counts running trials, so parallel workers draw no more of it than
     one worker does), then the configuration of highest expected improvement under the model
     (and, if ``random_every`` > 0, a random configuration every ``random_every``-th trial);
-    every ``mean_every``-th proposal of the GP is where its posterior mean is lowest. A
+    while the GP proposes, every ``mean_every``-th trial goes where its posterior mean is lowest. A
     configuration already in the history (whatever its outcome) or running is never proposed
     while an unseen one can be found; the GP is shown the running trials (q-batch EI, :mod:`hpo.gp`).
     Every ``balance_every``-th proposal of the forest is its best candidate among those that
