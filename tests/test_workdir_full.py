@@ -7,11 +7,13 @@ from __future__ import annotations
 import csv
 import io
 import re
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -222,6 +224,11 @@ def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: 
     assert run_hpo("run", scenario, "--storage", store).returncode == 0
     for cache in disk.mount.glob("*.hpo-rows.json"):  # hpo status would answer from it, the store unopened
         cache.unlink()
+    # A sweep's exit may leave the -wal and -shm files (then reading needs no room: see the next
+    # test); the last connection to close removes them.
+    with closing(sqlite3.connect(disk.mount / "study.db")) as database:
+        database.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert sorted(path.name for path in disk.mount.iterdir()) == ["study.db", "study.db.hpo-lock"]
     disk.fill()
     for command in ("status", "export"):
         began = time.monotonic()
@@ -230,6 +237,23 @@ def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: 
         assert re.fullmatch(rf"error: the store {re.escape(store)} cannot be used here: .* \(0 bytes free on "
                             rf"{disk.mount}\); free space there\n", read.stderr), read.stderr
 
+
+
+def test_a_store_on_a_full_disk_whose_shared_memory_file_is_left_is_read(disk: Disk, tmp_path: Path,
+                                                                         write_scenario: WriteScenario) -> None:
+    """A store whose -wal and -shm files a process left when it ended (as one killed, or one
+    whose connection was never closed, does) needs no room to be read: hpo status answers."""
+    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
+    store = f"sqlite:///{disk.mount / 'study.db'}"
+    assert run_hpo("run", scenario, "--storage", store).returncode == 0
+    for cache in disk.mount.glob("*.hpo-rows.json"):
+        cache.unlink()
+    leave = "import os, sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('SELECT 1 FROM trials').fetchall(); os._exit(0)"
+    subprocess.run([sys.executable, "-c", leave, str(disk.mount / "study.db")], check=True)
+    assert {"study.db-wal", "study.db-shm"} <= {path.name for path in disk.mount.iterdir()}
+    disk.fill()
+    read = run_hpo("status", scenario, "--storage", store)
+    assert read.returncode == 0 and "1/1 trials done: 1 complete." in read.stdout, read.stdout + read.stderr
 
 def test_an_empty_workdir_marker_left_by_a_full_disk_marks_no_study(tmp_path: Path,
                                                                       write_scenario: WriteScenario) -> None:
