@@ -28,6 +28,7 @@ import socket
 import sqlite3
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,7 +121,9 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
     """Open the storage at ``url``, creating its tables when ``create`` (else it must have
     them: a reader skips Optuna's schema checks); a bad URL is an InputError. A refused
     connection is tried again for ``REFUSED_GRACE_S`` seconds first (a server restarts), and
-    a server that is restarting raises its error for the caller's :class:`Retrying`."""
+    a server that is restarting raises its error for the caller's :class:`Retrying`. A database's
+    pooled connections are closed when its storage is collected or, at the latest, at exit: the
+    last to close an SQLite store removes its -wal and -shm files."""
     import optuna  # imported when a store is opened: commands that answer from the row cache never need it
 
     check_url(url)
@@ -144,8 +147,10 @@ def open_storage(url: str, create: bool = True) -> optuna.storages.BaseStorage:
         attempt = 0
         while True:
             try:
-                return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
-                                                  skip_table_creation=not create)
+                storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_compatibility_check=not create,
+                                                     skip_table_creation=not create)
+                weakref.finalize(storage, storage.engine.dispose)
+                return storage
             except Exception as exc:
                 # Another process (a second worker, optuna-dashboard) created the schema between
                 # SQLAlchemy's check and its CREATE or INSERT: it exists now, so open again.

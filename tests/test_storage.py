@@ -6,6 +6,9 @@ import importlib.util
 import multiprocessing
 import os
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -77,6 +80,33 @@ def test_sqlite_runs_in_wal_mode_syncing_at_checkpoints(tmp_path: Path) -> None:
     reopened = optuna.load_study(study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path}/study.db"))
     assert len(reopened.trials) == 2
 
+
+
+def test_an_sqlite_store_a_process_still_holds_at_exit_is_closed_and_leaves_no_wal(tmp_path: Path) -> None:
+    """A storage that a thread still holds when the process exits had its pooled connections
+    never closed, so SQLite's -wal and -shm files were left beside the store (one ``hpo run``
+    in three did so): readers then need no room on a full disk, and the files look like a
+    sweep still at work."""
+    script = textwrap.dedent("""\
+        import sys, threading, time
+        import optuna
+        from hpo.storage import open_storage
+
+        def use_and_keep() -> None:
+            study = optuna.create_study(storage=open_storage(sys.argv[1]), study_name="held")
+            study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0), n_trials=2)
+            used.set()
+            time.sleep(60)  # still holds the storage when the process exits
+
+        used = threading.Event()
+        threading.Thread(target=use_and_keep, daemon=True).start()
+        used.wait()
+        """)
+    store = tmp_path / "study.db"
+    subprocess.run([sys.executable, "-c", script, f"sqlite:///{store}"], check=True, timeout=60)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["study.db"]
+    with contextlib.closing(sqlite3.connect(store)) as database:
+        assert database.execute("SELECT COUNT(*) FROM trials").fetchone() == (2,)
 
 def test_bad_url_is_an_input_error() -> None:
     with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):
