@@ -81,7 +81,6 @@ def test_sqlite_runs_in_wal_mode_syncing_at_checkpoints(tmp_path: Path) -> None:
     assert len(reopened.trials) == 2
 
 
-
 def test_an_sqlite_store_a_process_still_holds_at_exit_is_closed_and_leaves_no_wal(tmp_path: Path) -> None:
     """A storage that a thread still holds when the process exits had its pooled connections
     never closed, so SQLite's -wal and -shm files were left beside the store (one ``hpo run``
@@ -107,6 +106,7 @@ def test_an_sqlite_store_a_process_still_holds_at_exit_is_closed_and_leaves_no_w
     assert sorted(path.name for path in tmp_path.iterdir()) == ["study.db"]
     with contextlib.closing(sqlite3.connect(store)) as database:
         assert database.execute("SELECT COUNT(*) FROM trials").fetchone() == (2,)
+
 
 def test_bad_url_is_an_input_error() -> None:
     with pytest.raises(InputError, match="--storage: cannot open nosuchdb://x"):

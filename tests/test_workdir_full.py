@@ -214,18 +214,25 @@ def test_worker_logs_that_a_full_disk_refuses_wait_for_room_and_every_worker_run
     assert "hpo: cannot write " in "".join(logs), logs
 
 
+def _swept_store(disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> tuple[Path, str]:
+    """(scenario, store URL) of a one-trial sweep run to its end with its store on ``disk``,
+    the store's row cache deleted: hpo status would answer from it, the store unopened."""
+    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
+    store = f"sqlite:///{disk.mount / 'study.db'}"
+    assert run_hpo("run", scenario, "--storage", store).returncode == 0
+    for cache in disk.mount.glob("*.hpo-rows.json"):
+        cache.unlink()
+    return scenario, store
+
+
 def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: Path,
                                                           write_scenario: WriteScenario) -> None:
     """hpo status and hpo export of an SQLite store on a full disk, which no sweep holds open,
     said the store 'cannot be written', retried for store_retry (300 s) and exited 1: opening
     it needs room for SQLite's shared-memory file, which no waiting makes."""
-    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
-    store = f"sqlite:///{disk.mount / 'study.db'}"
-    assert run_hpo("run", scenario, "--storage", store).returncode == 0
-    for cache in disk.mount.glob("*.hpo-rows.json"):  # hpo status would answer from it, the store unopened
-        cache.unlink()
-    # A sweep's exit may leave the -wal and -shm files (then reading needs no room: see the next
-    # test); the last connection to close removes them.
+    scenario, store = _swept_store(disk, tmp_path, write_scenario)
+    # A process that ends without closing the store leaves its -wal and -shm files (then reading
+    # needs no room: see the next test); the last connection to close removes them.
     with closing(sqlite3.connect(disk.mount / "study.db")) as database:
         database.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert sorted(path.name for path in disk.mount.iterdir()) == ["study.db", "study.db.hpo-lock"]
@@ -238,22 +245,18 @@ def test_reading_a_store_whose_disk_is_full_fails_at_once(disk: Disk, tmp_path: 
                             rf"{disk.mount}\); free space there\n", read.stderr), read.stderr
 
 
-
 def test_a_store_on_a_full_disk_whose_shared_memory_file_is_left_is_read(disk: Disk, tmp_path: Path,
                                                                          write_scenario: WriteScenario) -> None:
     """A store whose -wal and -shm files a process left when it ended (as one killed, or one
     whose connection was never closed, does) needs no room to be read: hpo status answers."""
-    scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
-    store = f"sqlite:///{disk.mount / 'study.db'}"
-    assert run_hpo("run", scenario, "--storage", store).returncode == 0
-    for cache in disk.mount.glob("*.hpo-rows.json"):
-        cache.unlink()
+    scenario, store = _swept_store(disk, tmp_path, write_scenario)
     leave = "import os, sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('SELECT 1 FROM trials').fetchall(); os._exit(0)"
     subprocess.run([sys.executable, "-c", leave, str(disk.mount / "study.db")], check=True)
     assert {"study.db-wal", "study.db-shm"} <= {path.name for path in disk.mount.iterdir()}
     disk.fill()
     read = run_hpo("status", scenario, "--storage", store)
     assert read.returncode == 0 and "1/1 trials done: 1 complete." in read.stdout, read.stdout + read.stderr
+
 
 def test_an_empty_workdir_marker_left_by_a_full_disk_marks_no_study(tmp_path: Path,
                                                                       write_scenario: WriteScenario) -> None:
