@@ -24,6 +24,8 @@ has at N: what parallel proposals cost in trials.
     python -m bench.parallel [--workers 4] [--trials 50] [--seeds 10] [--sleep 0.3] [--method smac]
     python -m bench.parallel --seeds 11:21    # seeds 11 to 20, to add to an earlier run's
     python -m bench.parallel --in-process --seeds 100
+
+Each study's figures go to stderr as it ends, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -177,6 +179,9 @@ def main() -> None:
         for seed in args.seeds:
             for workers, runs in results.items():
                 runs.append(run_study(folder, workers, args.trials, seed, args.sleep, args.method))
+                regrets, dupes, per_hour = runs[-1]
+                print(f"seed {seed}, {workers} worker{'s' if workers > 1 else ''}: regret {regrets[-1]:.3g}, "
+                      f"{dupes} duplicates, {per_hour:.0f} trials/hour", file=sys.stderr, flush=True)
     print(f"Hartmann-6, method {args.method}, {args.trials} trials, seeds {args.seeds.start}-{args.seeds.stop - 1}, "
           f"{args.sleep:g} s per trial")
     print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'duplicates':>11} {'trials/hour':>12}")
