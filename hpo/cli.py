@@ -379,7 +379,28 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         if executor:
             executor.close()
     code = signals.exit_code(sweep.stop_note, sweep.stop_ended)
-    return EXIT_OK if code is None else code
+    if code is not None:
+        return code
+    return EXIT_OK if _started_by_run(args) else _outcome_code(ctx, sweep)
+
+
+def _outcome_code(ctx: Context, sweep: Any) -> int:
+    """EXIT_ERROR, with one line on stderr, where ``sweep``'s study ended every trial, none
+    completed and some failed or timed out (the sweep has no result); else EXIT_OK. Trials
+    still running or waiting (another worker's) may yet complete, and trials that a user
+    stopped or a pruner cut short did not fail: EXIT_OK."""
+    from hpo.errors import StoreUnavailable
+    from hpo.outcome import Outcome
+
+    try:
+        rows = sweep.store.rows()
+    except StoreUnavailable:
+        return EXIT_OK
+    outcomes = {row.outcome for row in rows}
+    if outcomes & {Outcome.RUNNING, Outcome.WAITING, Outcome.COMPLETE} or not outcomes & {Outcome.FAIL, Outcome.TIMEOUT}:
+        return EXIT_OK
+    print(f"error: study {ctx.scenario.name}: {_no_best(rows)}", file=sys.stderr, flush=True)
+    return EXIT_ERROR
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -464,11 +485,11 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
         return code
     failed = [f"worker-{i} {ended(c)}" for i, c in zip(numbers, codes, strict=False) if c != 0]
     if not failed:
-        return EXIT_OK
+        return _outcome_code(ctx, sweep)
     if _finished(sweep):
         print(f"hpo: the other workers finished the sweep; {', '.join(failed)}: see {ctx.workdir}/worker-*.log",
               flush=True)
-        return EXIT_OK
+        return _outcome_code(ctx, sweep)
     print(f"error: {', '.join(failed)}: see {ctx.workdir}/worker-*.log", file=sys.stderr)
     return EXIT_ERROR
 

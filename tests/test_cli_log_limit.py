@@ -34,7 +34,7 @@ def test_a_log_past_the_file_size_limit_ends_the_trial_at_once_and_the_sweep_goe
     limited = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
                              timeout=120, check=False)
     assert time.monotonic() - began < 45, "a trial ran on to its end (60 s)"
-    assert limited.returncode == 0, limited.stderr
+    assert limited.returncode == 1, limited.stderr  # no trial completed
     assert "2/2 trials done: 2 failed." in limited.stdout
     rows = list(csv.DictReader(io.StringIO(run_hpo("export", path, cwd=tmp_path).stdout)))
     reason = "cannot write trial.log: File too large (the output past it is lost)"

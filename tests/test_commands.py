@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import cli_env, run_hpo
+from conftest import TEMPLATE_TEXT, cli_env, run_hpo
 
 WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -111,7 +111,7 @@ def test_a_study_of_the_same_name_in_another_store_may_not_take_a_workdir(tmp_pa
 
 def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenario) -> None:
     failing = write_scenario(tmp_path / "failing", template_text="raise SystemExit(3)\n")
-    assert run_hpo("run", failing).returncode == 0
+    assert run_hpo("run", failing).returncode == 1
     none = run_hpo("best", failing)
     assert (none.returncode, none.stderr) == (2, ("error: study demo: no trial completed: all 2 ended otherwise "
                                                   "(2 FAIL); hpo status gives their reasons\n"))
@@ -123,6 +123,30 @@ def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenari
     gone = run_hpo("best", scenario, "--copy-to", copy)
     assert gone.returncode == 2 and "--copy-to: trial" in gone.stderr and "is gone" in gone.stderr
     assert not copy.exists()
+
+
+def test_a_sweep_in_which_no_trial_completed_exits_1_with_every_trial_recorded(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """Every trial failing (a script that always crashes, data where the script finds none)
+    left the study without a result, yet ``hpo run`` exited 0, so ``hpo run && hpo export``
+    went on as if it had one. It exits 1, names the states, and records every trial; one
+    completed trial is a result (exit 0)."""
+    failing = write_scenario(tmp_path / "failing", search={"trials": 3}, resources={"parallel": 2},
+                             template_text="raise SystemExit('CUDA out of memory')\n")
+    said = ("error: study demo: no trial completed: all 3 ended otherwise (3 FAIL); hpo status gives their "
+            "reasons\n")
+    for command in (("run",), ("run",), ("worker",), ("run", "--workers", "2")):  # ended, then again with nothing to run
+        run = run_hpo(command[0], failing, *command[1:])
+        assert (run.returncode, run.stderr) == (1, said), (command, run.stdout, run.stderr)
+        assert "3/3 trials done: 3 failed." in run.stdout, run.stdout
+    status = run_hpo("status", failing)
+    assert status.returncode == 0 and status.stdout.count("CUDA out of memory") == 3, status.stdout
+    some = write_scenario(tmp_path / "some", search={"trials": 3}, resources={"parallel": 2},
+                          template_text="{% if trial_number > 0 %}raise SystemExit(3){% endif %}\n" + TEMPLATE_TEXT)
+    for command in (("run",), ("run", "--workers", "2")):
+        run = run_hpo(command[0], some, *command[1:])
+        assert (run.returncode, run.stderr) == (0, ""), (command, run.stdout, run.stderr)
+        assert "3/3 trials done: 1 complete, 2 failed." in run.stdout, run.stdout
 
 
 def test_a_rerun_never_creates_a_study(tmp_path: Path, write_scenario: WriteScenario) -> None:
@@ -264,7 +288,7 @@ def test_status_says_a_failed_rerun_is_a_rerun_and_why_it_failed(tmp_path: Path,
     """The reason column named either the failure or the trial rerun: a failed rerun looked
     like a new trial that happened to fail."""
     scenario = write_scenario(tmp_path, search={"trials": 1}, template_text="raise SystemExit({{ 3 }})\n")
-    assert run_hpo("run", scenario).returncode == 0
+    assert run_hpo("run", scenario).returncode == 1  # no trial completed
     assert "(rerun of 0) FAIL" in run_hpo("rerun", scenario, "0").stdout
     status = run_hpo("status", scenario)
     assert status.returncode == 0, status.stderr
@@ -348,7 +372,7 @@ def test_tail_of_a_trial_that_printed_nothing_says_so(tmp_path: Path, write_scen
     """A trial that failed printing nothing: ``hpo tail`` printed nothing either, as if it had
     not looked."""
     path = write_scenario(tmp_path, search={"trials": 1}, template_text="x = {{ x }}\n")
-    assert run_hpo("run", path).returncode == 0
+    assert run_hpo("run", path).returncode == 1  # no trial completed
     tail = run_hpo("tail", path, "0")
     log = tmp_path / "runs" / "demo" / "trial-0000" / "trial.log"
     assert (tail.returncode, tail.stdout) == (0, ""), tail.stderr
@@ -451,6 +475,6 @@ def test_status_shows_brackets_in_a_reason_as_they_are(tmp_path: Path, write_sce
     """rich read a reason's [/data/x] as markup: hpo status failed with a MarkupError."""
     scenario = write_scenario(tmp_path, search={"trials": 1},
                               template_text="raise SystemExit('[rank1]: cannot open [/data/x]')\n")
-    assert run_hpo("run", scenario).returncode == 0
+    assert run_hpo("run", scenario).returncode == 1  # no trial completed
     status = run_hpo("status", scenario)
     assert status.returncode == 0 and "cannot open [/data/x]" in status.stdout, status.stdout + status.stderr

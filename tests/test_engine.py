@@ -198,7 +198,7 @@ def test_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
     text = path.read_text().replace("heartbeat: 1}", "heartbeat: 1, timeout: 2}")
     path.write_text(text)
     result = hpo("run", str(path))
-    assert result.returncode == 0
+    assert result.returncode == 1  # its one trial timed out: no trial completed
     row = export(path)[0]
     assert row["state"] == "TIMEOUT" and row["reason"] == "killed after 2 s (resources.timeout)"
     assert not trial_processes(tmp_path)

@@ -61,7 +61,7 @@ def test_a_timeout_takes_one_grace_for_the_whole_tree_and_says_so(
                           search={"method": "sobol", "trials": 1}, objective={"held_out": []},
                           resources={"timeout": timeout})
     workdir = tmp_path / "w"
-    assert cli.main(["run", str(path), "--workdir", str(workdir)]) == 0
+    assert cli.main(["run", str(path), "--workdir", str(workdir)]) == 1  # no trial completed
     capsys.readouterr()
     assert cli.main(["export", str(path), "--workdir", str(workdir)]) == 0
     row = next(csv.DictReader(io.StringIO(capsys.readouterr().out)))
@@ -80,7 +80,7 @@ def test_a_timeout_whose_tree_obeys_sigterm_keeps_its_reason(tmp_path: Path, wri
                           search={"method": "sobol", "trials": 1}, objective={"held_out": []},
                           resources={"timeout": 0.5})
     workdir = tmp_path / "w"
-    assert cli.main(["run", str(path), "--workdir", str(workdir)]) == 0
+    assert cli.main(["run", str(path), "--workdir", str(workdir)]) == 1  # no trial completed
     assert "trial 0 TIMEOUT in 0." in capsys.readouterr().out
     assert cli.main(["export", str(path), "--workdir", str(workdir)]) == 0
     row = next(csv.DictReader(io.StringIO(capsys.readouterr().out)))

@@ -142,7 +142,8 @@ def test_a_trial_whose_files_fill_the_disk_each_time_it_runs_fails_the_third_tim
         if line.startswith("hpo: cannot write") and out.count("hpo: cannot write") <= RUN_AGAIN_LIMIT:
             disk.free()
     err = run.stderr.read()
-    assert (run.wait(timeout=60), err) == (0, ""), out + err
+    assert (run.wait(timeout=60), err) == (1, ("error: study demo: no trial completed: all 3 ended otherwise "
+                                               "(2 INTERRUPTED, 1 FAIL); hpo status gives their reasons\n")), out + err
     assert "1/1 trials done: 1 failed; also 2 interrupted" in out, out
     full = [f"cannot write {workdir}/trial-{n:04d}/trial.log: No space left on device (0 bytes free on {disk.mount})"
             for n in range(RUN_AGAIN_LIMIT)]
