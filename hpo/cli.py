@@ -2,7 +2,8 @@
 
 Every command takes the scenario file first. Exit codes: 0 ok, 2 bad input (scenario,
 CSV, template, arguments, an output that cannot be written; one line on stderr, no
-traceback), 130 SIGINT, 143 SIGTERM, 1 anything else (``HPO_DEBUG=1`` shows its traceback).
+traceback), 130 SIGINT, 143 SIGTERM, 1 anything else, such as a sweep in which no trial
+completed and some failed (``HPO_DEBUG=1`` shows a traceback).
 
 Environment: ``HPO_GPUS=0,1`` overrides the GPUs hpo detects (``HPO_GPUS=`` means none);
 trial processes see ``HPO_TRIAL_NUMBER``, ``HPO_TRIAL_DIR``, ``HPO_SLOT``, ``HPO_TRIAL_TOKEN``,
