@@ -397,8 +397,8 @@ def _outcome_code(ctx: Context, sweep: Any) -> int:
         rows = sweep.store.rows()
     except StoreUnavailable:
         return EXIT_OK
-    outcomes = {row.outcome for row in rows}
-    if outcomes & {Outcome.RUNNING, Outcome.WAITING, Outcome.COMPLETE} or not outcomes & {Outcome.FAIL, Outcome.TIMEOUT}:
+    if any(not row.outcome.ended or row.outcome is Outcome.COMPLETE for row in rows) or \
+            not any(row.outcome.failed for row in rows):
         return EXIT_OK
     print(f"error: study {ctx.scenario.name}: {_no_best(rows)}", file=sys.stderr, flush=True)
     return EXIT_ERROR

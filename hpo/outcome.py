@@ -42,6 +42,11 @@ class Outcome(str, enum.Enum):
         return self in OWN_OUTCOMES
 
     @property
+    def failed(self) -> bool:
+        """Whether the trial failed on its own merits (FAIL, TIMEOUT)."""
+        return self in (Outcome.FAIL, Outcome.TIMEOUT)
+
+    @property
     def run_again(self) -> bool:
         """Whether the trial's configuration runs again (it did not fail on its own merits)."""
         return self in (Outcome.LOST, Outcome.INTERRUPTED)

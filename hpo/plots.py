@@ -270,7 +270,7 @@ def history_data(rows: Sequence[PlotRow], direction: str, held_out: Sequence[str
     for row in rows:
         if row.number not in done_numbers:
             others.setdefault(Outcome(row.state), []).append(row.number)
-    reasons = Counter(r.reason for r in rows if r.reason and Outcome(r.state) in (Outcome.FAIL, Outcome.TIMEOUT))
+    reasons = Counter(r.reason for r in rows if r.reason and Outcome(r.state).failed)
     apart = tuple(name for name, series in best_held.items() if axis and not _fits(series, axis))
     return History(
         numbers=tuple(r.number for r in done), values=values, best_values=tuple(best_values),

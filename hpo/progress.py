@@ -99,7 +99,7 @@ def eta(t: Tally, since: Mapping[int, float], now: float) -> str:
 def tally(rows: list[TrialRow], budget: int, direction: str) -> Tally:
     """Count ``rows`` by outcome (see :class:`Tally`)."""
     durations = [r.duration_s for r in rows if r.outcome.own and r.duration_s]
-    failed = [r for r in rows if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
+    failed = [r for r in rows if r.outcome.failed]
     ended = [r for r in standing(rows) if r.outcome.ended]
     again = retried(rows)
     queued_again = {r.retry_of for r in rows if r.retry_of is not None and r.outcome is Outcome.WAITING}

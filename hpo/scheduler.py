@@ -346,7 +346,7 @@ class Scheduler:
         disk full, as :meth:`verdict` was told. False when another worker had already ended it
         (judged lost)."""
         store = self.store
-        retry = result.outcome in (Outcome.FAIL, Outcome.TIMEOUT) and result.reason != LOST_TOO_OFTEN \
+        retry = result.outcome.failed and result.reason != LOST_TOO_OFTEN \
             and filled is None
         if result.outcome.run_again or retry:
             def section() -> TrialResult:
