@@ -400,8 +400,7 @@ def _outcome_code(ctx: Context, sweep: Any) -> int:
     if any(not row.outcome.ended or row.outcome is Outcome.COMPLETE for row in rows) or \
             not any(row.outcome.failed for row in rows):
         return EXIT_OK
-    print(f"error: study {ctx.scenario.name}: {_no_best(rows)}", file=sys.stderr, flush=True)
-    return EXIT_ERROR
+    return _said_no_best(ctx, rows)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -920,6 +919,13 @@ def _no_best(rows: Sequence[Any]) -> str:
     return f"no trial completed: all {len(rows)} ended otherwise ({ended}); hpo status gives their reasons"
 
 
+def _said_no_best(ctx: Context, rows: Sequence[Any]) -> int:
+    """EXIT_ERROR, after one line on stderr saying why the study has no best trial
+    (:func:`_no_best`): the study holds no result, which is no bad input."""
+    print(f"error: study {ctx.scenario.name}: {_no_best(rows)}", file=sys.stderr, flush=True)
+    return EXIT_ERROR
+
+
 def cmd_best(args: argparse.Namespace) -> int:
     """Print the best trial; --copy-to DIR copies its folder there."""
     from hpo.progress import in_order
@@ -932,7 +938,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     rows = _snapshot(ctx)
     best = best_row(rows, ctx.scenario.objective.direction)
     if best is None:
-        raise InputError(f"study {ctx.scenario.name}: {_no_best(rows)}")
+        return _said_no_best(ctx, rows)
     created = target is not None and not target.exists()
     if target is not None:
         if not best.folder or not Path(best.folder).is_dir():

@@ -113,7 +113,7 @@ def test_best_names_what_is_missing(tmp_path: Path, write_scenario: WriteScenari
     failing = write_scenario(tmp_path / "failing", template_text="raise SystemExit(3)\n")
     assert run_hpo("run", failing).returncode == 1
     none = run_hpo("best", failing)
-    assert (none.returncode, none.stderr) == (2, ("error: study demo: no trial completed: all 2 ended otherwise "
+    assert (none.returncode, none.stderr) == (1, ("error: study demo: no trial completed: all 2 ended otherwise "
                                                   "(2 FAIL); hpo status gives their reasons\n"))
     scenario = write_scenario(tmp_path / "gone")
     assert run_hpo("run", scenario).returncode == 0
