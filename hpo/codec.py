@@ -137,7 +137,7 @@ class Codec:
         """Rows snapped onto legal values (integers and stepped values on their grid), conditions applied."""
         x = x.copy()
         for j in np.flatnonzero(self.numeric):
-            col = np.clip(np.nan_to_num(x[:, j], nan=0.5), 0.0, 1.0)
+            col = np.clip(np.where(np.isnan(x[:, j]), 0.5, x[:, j]), 0.0, 1.0)
             if self._steps[j] is not None or self._p[j].type == "int":
                 col = np.clip(self._to_unit(j, self._snap(j, self._from_unit(j, col))), 0.0, 1.0)
             x[:, j] = col

@@ -101,9 +101,11 @@ class Forest:
         self._model.fit(codec.features(rows[keep]), targets[keep])
 
     def predict(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Mean and standard deviation over the trees of each row's log-scaled cost."""
+        """Mean and standard deviation over the trees of each row's log-scaled cost. Each tree's
+        fitted structure (``tree_``) predicts, without the estimator's checks of its input: half
+        the time of a search's predictions, the same values."""
         features = self._codec.features(rows).astype(np.float32)
-        per_tree = np.stack([tree.predict(features, check_input=False) for tree in self._model.estimators_])
+        per_tree = np.stack([tree.tree_.predict(features)[:, 0] for tree in self._model.estimators_])
         return per_tree.mean(axis=0), per_tree.std(axis=0)
 
     def expected_improvement(self, rows: np.ndarray) -> np.ndarray:
