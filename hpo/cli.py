@@ -363,7 +363,7 @@ def _prepare(sweep: Any, ctx: Context, args: argparse.Namespace) -> None:
 
 def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.Namespace,
                executor: Any = None) -> int:
-    from hpo import forest_service
+    from hpo import forest_service, gp
     from hpo.engine import Sweep
     from hpo.progress import ProgressView
 
@@ -371,6 +371,8 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         sweep = Sweep(_sweep_config(ctx, slots, seed, args), executor)
         if not sweep.uses_forest:
             forest_service.stop()
+        if sweep.uses_gp:
+            gp.warm_up()
         _prepare(sweep, ctx, args)
         signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args))
         with signals.installed(), ProgressView(sweep.store, sweep.budget,

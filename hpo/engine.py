@@ -309,6 +309,19 @@ class Sweep:
         return isinstance(sampler, SmacSampler) and sampler.uses_forest_within(self.scheduler.budget)
 
     @property
+    def uses_gp(self) -> bool:
+        """Whether a Gaussian process may propose trials of this sweep (``gp``, or ``smac`` on
+        a space its GP takes: :meth:`hpo.optimizer.SmacSampler.uses_gp_within`)."""
+        from optuna.samplers import GPSampler
+
+        from hpo.optimizer import SmacSampler
+
+        sampler = self.store.study.sampler
+        if isinstance(sampler, SmacSampler):
+            return sampler.uses_gp_within(self.scheduler.budget)
+        return isinstance(sampler, GPSampler)
+
+    @property
     def budget(self) -> int:
         """Total trials of the study (all workers, all runs)."""
         return self.scheduler.budget

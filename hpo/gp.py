@@ -54,6 +54,9 @@ the running trials at their mean plus 1 or 0.3 standard deviations (0.038 and 0.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -64,6 +67,42 @@ from optuna.trial import TrialState
 
 from hpo.codec import Codec
 from hpo.history import Observations
+
+_warming: threading.Thread | None = None
+_warming_lock = threading.Lock()
+
+
+def warm_up() -> None:
+    """Prepare this process for its first GP proposal, on a daemon thread (once per process).
+
+    The first proposal otherwise imports PyTorch, runs its first operations and imports
+    scikit-learn's GP and scipy's optimizers (3 to 5 s on 2 cores) while its worker holds the
+    study's ask lock, which every other worker waits for: four workers of a 6-D study stood
+    one after another for 16 s there. The thread proposes once on a toy study of its own with
+    Optuna's GPSampler (imports alone leave a second of PyTorch's first calls) and imports
+    the rest."""
+    global _warming
+    with _warming_lock:
+        if _warming is None:
+            _warming = threading.Thread(target=_warm, name="hpo-gp-warm-up", daemon=True)
+            _warming.start()
+
+
+def _warm() -> None:
+    """What :func:`warm_up` runs: one proposal of Optuna's GP on a 2-D toy study in memory,
+    then the imports of the mean step and of :func:`warped`; a failure is left to the first
+    real proposal to meet and say."""
+    with contextlib.suppress(Exception):
+        box = optuna.distributions.FloatDistribution(0.0, 1.0)
+        study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
+                                    sampler=optuna.samplers.GPSampler(seed=0, n_startup_trials=1,
+                                                                      warn_independent_sampling=False))
+        study.add_trials([optuna.trial.create_trial(params={"a": a, "b": b}, distributions={"a": box, "b": box},
+                                                    value=(a - 0.3) ** 2 + b)
+                          for a, b in ((0.1, 0.8), (0.6, 0.2), (0.9, 0.5))])
+        study.ask({"a": box, "b": box})
+        for module in ("scipy.optimize", "scipy.stats", "sklearn.gaussian_process"):
+            importlib.import_module(module)
 
 
 class GPProposer:

@@ -198,6 +198,11 @@ class SmacSampler(BaseSampler):
         self._key = uuid.uuid4().hex  # names this sampler's fitted forests (hpo.forest.ranked)
         self._single_objective: set[str] = set()
 
+    def uses_gp_within(self, n_trials: int) -> bool:
+        """Whether the GP may make proposals in a study of ``n_trials`` trials: on a small
+        space without conditions (or with ``model='gp'``), once the initial design is done."""
+        return self._searched > 0 and self._gp_allowed and n_trials > self._n_initial
+
     def uses_forest_within(self, n_trials: int) -> bool:
         """Whether the forest makes proposals in a study of ``n_trials`` trials whatever its
         costs; costs that turn out step-valued may bring it in on the GP's spaces too."""

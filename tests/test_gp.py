@@ -115,3 +115,49 @@ def test_the_mean_minimum_keeps_the_best_trials_choices_and_needs_enough_of_them
     assert point is not None and point["kind"] == "b"
     few = Observations(x[:4], costs[:4], np.zeros(4, dtype=bool), np.empty((0, 3)), frozenset(keys(x[:4])))
     assert GPProposer(codec, seed=0).mean_minimum(few) is None
+
+
+def test_the_warm_up_runs_once_a_process_and_leaves_the_gp_ready() -> None:
+    """One thread a process, however often asked; once it ends, PyTorch (Optuna's GP) and
+    scikit-learn's GP (the mean step) are imported, so the first proposal, made while its
+    worker holds the study's ask lock, does not import them."""
+    code = ("import sys; from hpo import gp; gp.warm_up(); first = gp._warming; gp.warm_up(); "
+            "print(first is gp._warming, 'torch' in sys.modules); first.join(300); "
+            "print(first.is_alive(), 'torch' in sys.modules, 'sklearn.gaussian_process' in sys.modules)")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=360)
+    assert shown.stdout.split("\n")[1:] == ["False True True", ""]
+    assert shown.stdout.startswith("True ")
+
+
+class _WarmUpAsked(BaseException):
+    """Raised by the stand-in for :func:`hpo.gp.warm_up`: the sweep asked for it."""
+
+
+@pytest.mark.parametrize(("search", "parameters", "asked"), [
+    ({"method": "smac", "trials": 11}, None, True),  # the GP proposes the 11th trial
+    ({"method": "gp", "trials": 11}, None, True),
+    ({"method": "smac", "trials": 10}, None, False),  # the initial design only
+    ({"method": "tpe", "trials": 11}, None, False),
+    ({"method": "smac", "trials": 11}, {"opt": {"type": "categorical", "choices": ["a", "b"]},  # the forest's
+                                        "m": {"type": "float", "low": 0.0, "high": 0.9, "condition": {"opt": "a"}}},
+     False),
+])
+def test_a_sweep_warms_the_gp_up_where_the_gp_will_propose(search, parameters, asked, write_scenario, tmp_path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpo import cli, forest_service, gp
+
+    def stand_in() -> None:
+        raise _WarmUpAsked
+
+    monkeypatch.setattr(gp, "warm_up", stand_in)
+    monkeypatch.setenv("HPO_GPUS", "")
+    overrides = {"search": search} if parameters is None else {"search": search, "parameters": parameters}
+    scenario = write_scenario(tmp_path, **overrides)
+    try:
+        if asked:
+            with pytest.raises(_WarmUpAsked):
+                cli.main(["run", str(scenario)])
+        else:
+            assert cli.main(["run", str(scenario)]) == 0
+    finally:
+        forest_service.stop()
