@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -68,30 +67,25 @@ from optuna.trial import TrialState
 from hpo.codec import Codec
 from hpo.history import Observations
 
-_warming: threading.Thread | None = None
-_warming_lock = threading.Lock()
+_warmed = False
 
 
 def warm_up() -> None:
-    """Prepare this process for its first GP proposal, on a daemon thread (once per process).
+    """Prepare this process for its first GP proposal, now (once per process).
 
     The first proposal otherwise imports PyTorch, runs its first operations and imports
     scikit-learn's GP and scipy's optimizers (3 to 5 s on 2 cores) while its worker holds the
     study's ask lock, which every other worker waits for: four workers of a 6-D study stood
-    one after another for 16 s there. The thread proposes once on a toy study of its own with
-    Optuna's GPSampler (imports alone leave a second of PyTorch's first calls) and imports
-    the rest."""
-    global _warming
-    with _warming_lock:
-        if _warming is None:
-            _warming = threading.Thread(target=_warm, name="hpo-gp-warm-up", daemon=True)
-            _warming.start()
-
-
-def _warm() -> None:
-    """What :func:`warm_up` runs: one proposal of Optuna's GP on a 2-D toy study in memory,
-    then the imports of the mean step and of :func:`warped`; a failure is left to the first
-    real proposal to meet and say."""
+    one after another for 16 s there. A sweep calls this before its slots start, so that
+    workers prepare side by side. It proposes once on a toy study of its own with Optuna's
+    GPSampler (imports alone leave a second of PyTorch's first calls) and imports the rest;
+    a failure is left to the first real proposal to meet and say. It runs in the caller's
+    thread: importing scipy.stats on a thread of its own while a slot imported it too left
+    that slot a partly imported module (an ImportError) once in a few runs."""
+    global _warmed
+    if _warmed:
+        return
+    _warmed = True
     with contextlib.suppress(Exception):
         box = optuna.distributions.FloatDistribution(0.0, 1.0)
         study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
