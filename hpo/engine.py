@@ -311,14 +311,15 @@ class Sweep:
     @property
     def uses_gp(self) -> bool:
         """Whether a Gaussian process may propose trials of this sweep (``gp``, or ``smac`` on
-        a space its GP takes: :meth:`hpo.optimizer.SmacSampler.uses_gp_within`)."""
+        a space its GP takes, from the trials the study holds now to its budget:
+        :meth:`hpo.optimizer.SmacSampler.uses_gp_within`)."""
         from optuna.samplers import GPSampler
 
         from hpo.optimizer import SmacSampler
 
         sampler = self.store.study.sampler
         if isinstance(sampler, SmacSampler):
-            return sampler.uses_gp_within(self.scheduler.budget)
+            return sampler.uses_gp_within(self.scheduler.budget, len(self.store.trials()))
         return isinstance(sampler, GPSampler)
 
     @property

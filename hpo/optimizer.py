@@ -198,10 +198,12 @@ class SmacSampler(BaseSampler):
         self._key = uuid.uuid4().hex  # names this sampler's fitted forests (hpo.forest.ranked)
         self._single_objective: set[str] = set()
 
-    def uses_gp_within(self, n_trials: int) -> bool:
-        """Whether the GP may make proposals in a study of ``n_trials`` trials: on a small
-        space without conditions (or with ``model='gp'``), once the initial design is done."""
-        return self._searched > 0 and self._gp_allowed and n_trials > self._n_initial
+    def uses_gp_within(self, n_trials: int, n_done: int = 0) -> bool:
+        """Whether the GP may propose a trial of a study that goes on from ``n_done`` trials to
+        ``n_trials``: on a small space without conditions (or with ``model='gp'``), once the
+        initial design is done, while the history is within the GP's ``gp_max_points``."""
+        return (self._searched > 0 and self._gp_allowed and max(n_done, self._n_initial) < n_trials
+                and n_done <= self._gp_max_points)
 
     def uses_forest_within(self, n_trials: int) -> bool:
         """Whether the forest makes proposals in a study of ``n_trials`` trials whatever its

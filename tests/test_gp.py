@@ -160,3 +160,15 @@ def test_a_sweep_warms_the_gp_up_where_the_gp_will_propose(search, parameters, a
             assert cli.main(["run", str(scenario)]) == 0
     finally:
         forest_service.stop()
+
+
+def test_the_gp_proposes_from_the_end_of_the_initial_design_to_its_most_points() -> None:
+    """What decides a sweep's warm-up: a study going on from ``n_done`` trials to ``n_trials``."""
+    from hpo.optimizer import SmacSampler
+
+    sampler = SmacSampler(UNIT, seed=0)
+    assert (sampler.uses_gp_within(10), sampler.uses_gp_within(11)) == (False, True)  # 10 start draws
+    assert (sampler.uses_gp_within(1020, 200), sampler.uses_gp_within(1020, 1000)) == (True, False)  # the forest's
+    assert not sampler.uses_gp_within(1020, 1020)
+    assert SmacSampler(UNIT, seed=0, model="gp").uses_gp_within(1020, 1000)
+    assert not SmacSampler(UNIT, seed=0, model="forest").uses_gp_within(50)
