@@ -371,9 +371,9 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         sweep = Sweep(_sweep_config(ctx, slots, seed, args), executor)
         if not sweep.uses_forest:
             forest_service.stop()
-        if sweep.uses_gp:
-            gp.warm_up()
         _prepare(sweep, ctx, args)
+        if sweep.uses_gp:  # after the checks of _prepare: a workdir it refuses is said at once
+            gp.warm_up()
         signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args))
         with signals.installed(), ProgressView(sweep.store, sweep.budget,
                                                 _plan_line(ctx, args, slots, executor)) as view:
