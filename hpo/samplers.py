@@ -36,6 +36,10 @@ def _quiet_independent_sampling() -> dict[str, bool]:
     return {"warn_independent_sampling": False} if parameter is not None and parameter.default is True else {}
 
 
+GP_START_TRIALS = 10
+"""Random trials ``search.method: gp`` completes before its GP proposes (Optuna's GPSampler's default)."""
+
+
 def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | None,
                   direction: str = "minimize") -> optuna.samplers.BaseSampler:
     """The sampler of a search method over ``parameters``.
@@ -50,7 +54,8 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           **_quiet_independent_sampling())
     if method == "gp":
-        return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=GP_START_TRIALS,
+                                         warn_independent_sampling=False)
     if method == "smac":
         from hpo.optimizer import SmacSampler
 

@@ -135,6 +135,7 @@ class _WarmUpAsked(BaseException):
 @pytest.mark.parametrize(("search", "parameters", "asked"), [
     ({"method": "smac", "trials": 11}, None, True),  # the GP proposes the 11th trial
     ({"method": "gp", "trials": 11}, None, True),
+    ({"method": "gp", "trials": 10}, None, False),  # Optuna's random start trials only
     ({"method": "smac", "trials": 10}, None, False),  # the initial design only
     ({"method": "tpe", "trials": 11}, None, False),
     ({"method": "smac", "trials": 11}, {"opt": {"type": "categorical", "choices": ["a", "b"]},  # the forest's
