@@ -351,7 +351,9 @@ def _step_valued(costs: np.ndarray) -> bool:
 
 
 def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:
-    """``value`` as a legal value of ``distribution``, or None if it has no such value."""
+    """``value`` as a legal value of ``distribution``, or None if it has no such value. A float
+    within a rounding error of a bound is the bound: a log-scaled one decoded at its low end is
+    ``exp(log(0.001))``, 0.0010000000000000002, which the trial's script would be given."""
     if isinstance(distribution, CategoricalDistribution):
         for choice in distribution.choices:
             if choice == value and type(choice) is type(value):
@@ -364,5 +366,7 @@ def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:
         if distribution.step is not None:
             value = low + round((value - low) / distribution.step) * distribution.step
         value = min(max(value, low), high)
-        return round(value) if isinstance(distribution, IntDistribution) else float(value)
+        if isinstance(distribution, IntDistribution):
+            return round(value)
+        return next((bound for bound in (low, high) if math.isclose(value, bound, rel_tol=1e-12)), float(value))
     return None

@@ -81,6 +81,16 @@ def test_on_a_small_continuous_space_smac_starts_with_optunas_gp_draws_then_its_
     assert len({tuple(sorted(p.items())) for p in found["smac"]}) == 14
 
 
+def test_a_log_scaled_proposal_at_a_bound_is_the_bound_itself() -> None:
+    """The GP drives lr to its low end; exp(log(0.001)) is 0.0010000000000000002, which the
+    trial's script and ``hpo best`` would show."""
+    params = {"lr": Param(type="float", low=1e-3, high=1.0, log=True), "x": Param(type="float", low=0.0, high=1.0)}
+    study = optuna.create_study(sampler=SmacSampler(params, seed=0))
+    study.optimize(lambda trial: sum(space.suggest(trial, params).values()), n_trials=16)
+    low = [t.params["lr"] for t in study.trials if t.params["lr"] < 1e-3 * 1.001]
+    assert low and all(lr == 1e-3 for lr in low)
+
+
 @pytest.mark.parametrize("params", [KIT_PARAMS, CONDITIONAL_PARAMS], ids=["plain", "conditional"])
 def test_an_always_crashing_script_gets_a_new_configuration_every_trial(params: dict[str, Param]) -> None:
     for seed in range(4):
