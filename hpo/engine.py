@@ -311,18 +311,18 @@ class Sweep:
     @property
     def uses_gp(self) -> bool:
         """Whether a Gaussian process may propose trials of this sweep: ``gp`` past its
-        :data:`~hpo.samplers.GP_START_TRIALS` random ones, or ``smac`` on a space its GP takes,
+        :data:`~hpo.gp.START_TRIALS` random ones, or ``smac`` on a space its GP takes,
         from the trials the study holds now to its budget
         (:meth:`hpo.optimizer.SmacSampler.uses_gp_within`)."""
         from optuna.samplers import GPSampler
 
+        from hpo.gp import START_TRIALS
         from hpo.optimizer import SmacSampler
-        from hpo.samplers import GP_START_TRIALS
 
         sampler = self.store.study.sampler
         if isinstance(sampler, SmacSampler):
             return sampler.uses_gp_within(self.scheduler.budget, len(self.store.trials()))
-        return isinstance(sampler, GPSampler) and self.scheduler.budget > GP_START_TRIALS
+        return isinstance(sampler, GPSampler) and self.scheduler.budget > START_TRIALS
 
     @property
     def budget(self) -> int:

@@ -67,6 +67,10 @@ from optuna.trial import TrialState
 from hpo.codec import Codec
 from hpo.history import Observations
 
+START_TRIALS = 10
+"""Random trials before the GP proposes, for ``search.method: gp`` (Optuna's GPSampler's
+default) and for smac on the GP's spaces alike."""
+
 _warmed = False
 
 

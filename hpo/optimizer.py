@@ -91,7 +91,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import forest_service
 from hpo.codec import Codec, keys
-from hpo.gp import GPProposer
+from hpo.gp import START_TRIALS, GPProposer
 from hpo.history import History, Observations
 from hpo.scenario import Param
 
@@ -99,7 +99,6 @@ if TYPE_CHECKING:
     from optuna.study import Study
 
 MODELS = ("auto", "forest", "gp")
-_GP_INITIAL = 10
 
 
 class SmacSampler(BaseSampler):
@@ -178,7 +177,7 @@ class SmacSampler(BaseSampler):
         self._searched = searched = self._codec.dim
         self._gp_allowed = model == "gp" or (model == "auto" and not self._codec.conditional
                                               and 0 < searched <= gp_max_dims)
-        default_initial = _GP_INITIAL if self._gp_allowed else searched + 1
+        default_initial = START_TRIALS if self._gp_allowed else searched + 1
         self._n_initial = max(2, n_initial if n_initial is not None else default_initial)
         self._history = History(self._codec, 1.0 if direction == "minimize" else -1.0, self._n_initial)
         self._gp_max_points = math.inf if model == "gp" else gp_max_points

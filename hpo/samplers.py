@@ -36,10 +36,6 @@ def _quiet_independent_sampling() -> dict[str, bool]:
     return {"warn_independent_sampling": False} if parameter is not None and parameter.default is True else {}
 
 
-GP_START_TRIALS = 10
-"""Random trials ``search.method: gp`` completes before its GP proposes (Optuna's GPSampler's default)."""
-
-
 def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | None,
                   direction: str = "minimize") -> optuna.samplers.BaseSampler:
     """The sampler of a search method over ``parameters``.
@@ -54,7 +50,9 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           **_quiet_independent_sampling())
     if method == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=GP_START_TRIALS,
+        from hpo.gp import START_TRIALS
+
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=START_TRIALS,
                                          warn_independent_sampling=False)
     if method == "smac":
         from hpo.optimizer import SmacSampler
