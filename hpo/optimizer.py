@@ -89,7 +89,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import forest_service
+from hpo import forest_service, space
 from hpo.codec import Codec, keys
 from hpo.gp import START_TRIALS, GPProposer
 from hpo.history import History, Observations
@@ -350,9 +350,8 @@ def _step_valued(costs: np.ndarray) -> bool:
 
 
 def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:
-    """``value`` as a legal value of ``distribution``, or None if it has no such value. A float
-    within a rounding error of a bound is the bound: a log-scaled one decoded at its low end is
-    ``exp(log(0.001))``, 0.0010000000000000002, which the trial's script would be given."""
+    """``value`` as a legal value of ``distribution`` (a float within a rounding error of a bound
+    is the bound: :func:`hpo.space.at_bound`), or None if it has no such value."""
     if isinstance(distribution, CategoricalDistribution):
         for choice in distribution.choices:
             if choice == value and type(choice) is type(value):
@@ -367,5 +366,5 @@ def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:
         value = min(max(value, low), high)
         if isinstance(distribution, IntDistribution):
             return round(value)
-        return next((bound for bound in (low, high) if math.isclose(value, bound, rel_tol=1e-12)), float(value))
+        return space.at_bound(float(value), low, high)
     return None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import optuna
 
+from hpo import space
 from hpo.scenario import Param, Scenario, Search
 
 
@@ -36,6 +38,18 @@ def _quiet_independent_sampling() -> dict[str, bool]:
     return {"warn_independent_sampling": False} if parameter is not None and parameter.default is True else {}
 
 
+class _GPSampler(optuna.samplers.GPSampler):
+    """Optuna's GPSampler, giving a float it proposes at a bound as the bound (:func:`hpo.space.at_bound`)."""
+
+    def sample_relative(self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+                        search_space: dict[str, optuna.distributions.BaseDistribution]) -> dict[str, Any]:
+        """Optuna's proposal, with each float at a bound made that bound."""
+        proposal = super().sample_relative(study, trial, search_space)
+        return {name: space.at_bound(value, search_space[name].low, search_space[name].high)
+                if isinstance(search_space[name], optuna.distributions.FloatDistribution) else value
+                for name, value in proposal.items()}
+
+
 def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | None,
                   direction: str = "minimize") -> optuna.samplers.BaseSampler:
     """The sampler of a search method over ``parameters``.
@@ -52,8 +66,7 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
     if method == "gp":
         from hpo.gp import START_TRIALS
 
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=START_TRIALS,
-                                         warn_independent_sampling=False)
+        return _GPSampler(seed=seed, n_startup_trials=START_TRIALS, warn_independent_sampling=False)
     if method == "smac":
         from hpo.optimizer import SmacSampler
 

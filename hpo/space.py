@@ -57,6 +57,12 @@ def tidy(p: Param, value: Any) -> Any:
     return value
 
 
+def at_bound(value: float, low: float, high: float) -> float:
+    """``value``, or the bound it lies within a rounding error of: a log-scaled value decoded at
+    its low end is ``exp(log(0.001))``, 0.0010000000000000002, which a trial's script would be given."""
+    return next((bound for bound in (low, high) if math.isclose(value, bound, rel_tol=1e-12)), value)
+
+
 def tidied(params: Params, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` with each one of ``params`` :func:`tidy`."""
     return {name: tidy(params[name], value) if name in params else value for name, value in values.items()}

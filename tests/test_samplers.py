@@ -81,11 +81,12 @@ def test_on_a_small_continuous_space_smac_starts_with_optunas_gp_draws_then_its_
     assert len({tuple(sorted(p.items())) for p in found["smac"]}) == 14
 
 
-def test_a_log_scaled_proposal_at_a_bound_is_the_bound_itself() -> None:
+@pytest.mark.parametrize("method", ["smac", "gp"])
+def test_a_log_scaled_proposal_at_a_bound_is_the_bound_itself(method: str) -> None:
     """The GP drives lr to its low end; exp(log(0.001)) is 0.0010000000000000002, which the
     trial's script and ``hpo best`` would show."""
     params = {"lr": Param(type="float", low=1e-3, high=1.0, log=True), "x": Param(type="float", low=0.0, high=1.0)}
-    study = optuna.create_study(sampler=SmacSampler(params, seed=0))
+    study = optuna.create_study(sampler=build_sampler(method, params, seed=0))
     study.optimize(lambda trial: sum(space.suggest(trial, params).values()), n_trials=16)
     low = [t.params["lr"] for t in study.trials if t.params["lr"] < 1e-3 * 1.001]
     assert low and all(lr == 1e-3 for lr in low)

@@ -395,3 +395,14 @@ def test_values_of_a_tiny_step_stay_apart() -> None:
     p = Param(type="float", low=0.0, high=1e-12, step=1e-13)
     assert space.tidy(p, 3e-13) == 3e-13 and space.tidy(p, 4.000000000000001e-13) == 4e-13
     assert space.tidy(Param(type="float", low=0.0, high=1000.0, step=100.0), 300.0000000000001) == 300.0
+
+
+@pytest.mark.parametrize(("value", "low", "high", "expected"), [
+    (math.exp(math.log(1e-3)), 1e-3, 1.0, 1e-3),  # 0.0010000000000000002: a log scale's low end
+    (0.1 + 1.0 * (0.3 - 0.1), 0.1, 0.3, 0.3),  # 0.30000000000000004: a linear one's high end
+    (0.0010001, 1e-3, 1.0, 0.0010001),  # near, but not a rounding error away
+    (1e-300, 0.0, 1.0, 1e-300),
+])
+def test_a_value_a_rounding_error_from_a_bound_is_the_bound(value: float, low: float, high: float,
+                                                            expected: float) -> None:
+    assert space.at_bound(value, low, high) == expected
