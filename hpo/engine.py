@@ -280,7 +280,8 @@ class Sweep:
         self._design = designs.design_points(scenario)
         self.store = StudyStore(scenario, config.storage, pruner=make_pruner(scenario), on_outage=self._say,
                                 reached=config.store_reached)
-        self.store.use_sampler(make_sampler(scenario, config.seed, resumed_at=len(self.store.trials())))
+        self._trials_at_start = len(self.store.trials())
+        self.store.use_sampler(make_sampler(scenario, config.seed, resumed_at=self._trials_at_start))
         self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
                                    config.seed, designs.design_numbers(scenario))
         self._executor = executor or LocalExecutor()
@@ -312,7 +313,7 @@ class Sweep:
     def uses_gp(self) -> bool:
         """Whether a Gaussian process may propose trials of this sweep: ``gp`` past its
         :data:`~hpo.gp.START_TRIALS` random ones, or ``smac`` on a space its GP takes,
-        from the trials the study holds now to its budget
+        from the trials the study held when the sweep began to its budget
         (:meth:`hpo.optimizer.SmacSampler.uses_gp_within`)."""
         from optuna.samplers import GPSampler
 
@@ -321,7 +322,7 @@ class Sweep:
 
         sampler = self.store.study.sampler
         if isinstance(sampler, SmacSampler):
-            return sampler.uses_gp_within(self.scheduler.budget, len(self.store.trials()))
+            return sampler.uses_gp_within(self.scheduler.budget, self._trials_at_start)
         return isinstance(sampler, GPSampler) and self.scheduler.budget > START_TRIALS
 
     @property
