@@ -15,7 +15,9 @@ a design point's number (and retry), a proposal's place among the tries of their
 sweep that had crashes repeats one that had none. A rerun that
 fails is a finding, not retried (``search.retry_failed`` is for the sweep's trials). A design's next
 point is its first point that no trial covers yet, so every point runs exactly once
-whatever crashed in between.
+whatever crashed in between. A second copy of a point or of a lost configuration, which only a
+worker whose ask lock was lost unseen in a store outage can queue, is recorded INTERRUPTED
+instead of running, the budget spent or not, so none is left waiting.
 
 Claims happen under the store's ask lock, so workers on any number of machines never
 exceed the budget.
@@ -193,13 +195,16 @@ class Scheduler:
                         key=lambda number: (_origin(by_number, number), number))
         room = budget_used(rows, queued) < self.budget
         runnable = [n for n in queued if room or by_number[n].rerun_of is not None]
+        others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
+        if not runnable:  # a copy queued twice in an outage is withdrawn even with the budget spent
+            runnable = [n for n in queued if by_number[n].rerun_of is None and
+                        _twin_in(rows, n, by_number[n].design_index, by_number[n].requeue_of) is not None][:1]
         if runnable:
             try:
                 trial = store.claim_waiting(runnable[0])
             except InputError:  # another worker took it, which only an ask lock lost unseen allows
                 return self._claim(mine)
         else:
-            others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
             if not room:
                 return WAIT if others else None
             if self._design is not None:
@@ -217,6 +222,9 @@ class Scheduler:
                           f"not run: it was queued twice in a store outage, and trial {twin} runs it")
             return self._claim(mine)
         row = by_number.get(trial.number)
+        if not room and (row is None or row.rerun_of is None):  # claimed to be withdrawn, and no copy after all
+            store.back_to_waiting(trial.number)
+            return WAIT if others else None
         if row is not None and row.rerun_of is not None:
             source = row.number if row.requeue_of is None else row.requeue_of
             return self._claimed(trial, self._recorded_seed(trials, source, row.rerun_of), prunable=False,
@@ -322,15 +330,7 @@ class Scheduler:
         Two copies exist only when a worker queued one while its ask lock had been lost in an
         outage unseen: the higher-numbered copy must not run, whatever the interleaving. The
         trial a copy was requeued from is no twin: it is being ended. ``attrs``: its user attributes."""
-        index, origin = attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF)
-        if index is None and origin is None:
-            return None
-
-        def same(row: TrialRow) -> bool:
-            return row.design_index == index if index is not None else row.requeue_of == origin
-
-        return next((r.number for r in standing(self.store.rows())
-                     if r.number < trial.number and same(r) and r.number != origin), None)
+        return _twin_in(self.store.rows(), trial.number, attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF))
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
         """The place of the first design point whose number no standing trial
@@ -378,6 +378,19 @@ class Scheduler:
     def release(self, claim: Claim) -> None:
         """Put a claimed trial that never started back in the queue (the sweep is stopping)."""
         self.store.back_to_waiting(claim.number)
+
+
+def _twin_in(rows: list[TrialRow], number: int, index: int | None, origin: int | None) -> int | None:
+    """The standing trial among ``rows`` numbered below queued trial ``number`` that covers
+    what it was queued for: design point ``index``, else the configuration of trial
+    ``origin`` (which is no twin: it is being ended); None if there is none."""
+    if index is None and origin is None:
+        return None
+
+    def same(row: TrialRow) -> bool:
+        return row.design_index == index if index is not None else row.requeue_of == origin
+
+    return next((r.number for r in standing(rows) if r.number < number and same(r) and r.number != origin), None)
 
 
 def _place(rows: list[TrialRow], number: int) -> int:

@@ -99,6 +99,29 @@ def test_a_design_point_queued_twice_runs_once(tmp_path: Path, write_scenario: W
     assert budget_used(rows) == 3
 
 
+@pytest.mark.parametrize("copy_of", ["finished", "running"])
+def test_a_design_point_queued_twice_with_the_budget_spent_is_withdrawn(tmp_path: Path, write_scenario: WriteScenario,
+                                                                       copy_of: str) -> None:
+    """A second copy of the last point, queued (in an outage, unseen) once the budget is
+    spent, with that point's trial finished or claimed by another slot: the copy is recorded
+    INTERRUPTED when a slot next asks, and nothing is left waiting past the budget."""
+    scheduler = make(tmp_path, write_scenario, trials=2)
+    store = scheduler.store
+    first, last = claim(scheduler), claim(scheduler)
+    complete(scheduler, first)
+    if copy_of == "finished":
+        complete(scheduler, last)
+    with store.lock():
+        store.enqueue(last.params, {"design_index": 1})
+        assert scheduler.claim(set()) == (None if copy_of == "finished" else WAIT)
+    rows = store.rows()
+    assert [(r.number, r.design_index, r.outcome) for r in rows] == [
+        (0, 0, Outcome.COMPLETE), (1, 1, Outcome.COMPLETE if copy_of == "finished" else Outcome.WAITING),
+        (2, 1, Outcome.INTERRUPTED)]
+    assert rows[2].reason == "not run: it was queued twice in a store outage, and trial 1 runs it"
+    assert budget_used(rows) == 2
+
+
 def test_a_lost_configuration_queued_twice_runs_once(tmp_path: Path, write_scenario: WriteScenario) -> None:
     """Two copies of a lost trial's configuration in the queue of a model-based sweep: the
     first runs, the second is recorded INTERRUPTED, never run, and the sampler proposes next."""
