@@ -142,6 +142,26 @@ def test_a_lost_configuration_queued_twice_runs_once(tmp_path: Path, write_scena
     assert not rows[1].outcome.ended and not rows[3].outcome.ended
 
 
+def test_a_lost_configuration_queued_twice_with_the_budget_spent_is_withdrawn(tmp_path: Path,
+                                                                             write_scenario: WriteScenario) -> None:
+    """Two copies of a lost trial's configuration, and a budget of one trial: the first copy
+    runs and spends it; the second is recorded INTERRUPTED when a slot next asks, not left waiting."""
+    scheduler = make(tmp_path, write_scenario, method="tpe", trials=1)
+    store = scheduler.store
+    first = claim(scheduler)
+    rows = store.rows()
+    with store.lock():
+        assert requeue(store, rows[0], rows)
+        store.enqueue(space.searched(store.scenario.parameters, first.params), {"requeue_of": first.number})
+    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
+    copy = claim(scheduler)
+    with store.lock():
+        assert scheduler.claim({copy.number}) is None
+    rows = store.rows()
+    assert [(r.number, r.outcome) for r in rows] == [(0, Outcome.LOST), (1, Outcome.WAITING), (2, Outcome.INTERRUPTED)]
+    assert rows[2].reason == "not run: it was queued twice in a store outage, and trial 1 runs it"
+
+
 def test_a_requeued_copy_runs_while_its_lost_original_is_being_ended(tmp_path: Path,
                                                                       write_scenario: WriteScenario) -> None:
     """A lost trial's configuration is queued before the trial is recorded LOST; a worker
