@@ -52,6 +52,20 @@ def run_to_end(scheduler: Scheduler) -> list[dict[str, Any]]:
         complete(scheduler, c)
 
 
+def lose_with_two_copies(scheduler: Scheduler) -> tuple[Claim, Claim]:
+    """Claim a trial, queue its configuration twice (as a worker whose ask lock was lost
+    unseen in an outage can), record it LOST, and claim again: (the lost claim, the claim of
+    its first copy)."""
+    store = scheduler.store
+    first = claim(scheduler)
+    rows = store.rows()
+    with store.lock():
+        assert requeue(store, rows[0], rows)
+        store.enqueue(space.searched(store.scenario.parameters, first.params), {"requeue_of": first.number})
+    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
+    return first, claim(scheduler)
+
+
 def test_a_design_runs_its_points_in_order_then_stops(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scheduler = make(tmp_path, write_scenario)
     points = designs.design_points(scheduler.store.scenario)
@@ -127,13 +141,7 @@ def test_a_lost_configuration_queued_twice_runs_once(tmp_path: Path, write_scena
     first runs, the second is recorded INTERRUPTED, never run, and the sampler proposes next."""
     scheduler = make(tmp_path, write_scenario, method="tpe", trials=3)
     store = scheduler.store
-    first = claim(scheduler)
-    rows = store.rows()
-    with store.lock():
-        assert requeue(store, rows[0], rows)
-        store.enqueue(space.searched(store.scenario.parameters, first.params), {"requeue_of": first.number})
-    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
-    copy = claim(scheduler)
+    first, copy = lose_with_two_copies(scheduler)
     assert (copy.number, copy.params) == (1, first.params)
     proposed = claim(scheduler, {copy.number})
     assert proposed.number == 3 and proposed.params != first.params
@@ -148,13 +156,7 @@ def test_a_lost_configuration_queued_twice_with_the_budget_spent_is_withdrawn(tm
     runs and spends it; the second is recorded INTERRUPTED when a slot next asks, not left waiting."""
     scheduler = make(tmp_path, write_scenario, method="tpe", trials=1)
     store = scheduler.store
-    first = claim(scheduler)
-    rows = store.rows()
-    with store.lock():
-        assert requeue(store, rows[0], rows)
-        store.enqueue(space.searched(store.scenario.parameters, first.params), {"requeue_of": first.number})
-    store.end_other(first.number, TrialResult(Outcome.LOST, reason="lost"), "f")
-    copy = claim(scheduler)
+    _, copy = lose_with_two_copies(scheduler)
     with store.lock():
         assert scheduler.claim({copy.number}) is None
     rows = store.rows()
