@@ -194,11 +194,10 @@ class Scheduler:
         queued = sorted((t.number for t in trials if t.state == TrialState.WAITING),
                         key=lambda number: (_origin(by_number, number), number))
         room = budget_used(rows, queued) < self.budget
-        runnable = [n for n in queued if room or by_number[n].rerun_of is not None]
+        # with the budget spent: queued reruns, and copies queued twice in an outage, to be withdrawn
+        runnable = [n for n in queued if room or by_number[n].rerun_of is not None
+                    or _twin_in(rows, n, by_number[n].design_index, by_number[n].requeue_of) is not None]
         others = any(t.state == TrialState.RUNNING and t.number not in mine for t in trials)
-        if not runnable:  # a copy queued twice in an outage is withdrawn even with the budget spent
-            runnable = [n for n in queued if by_number[n].rerun_of is None and
-                        _twin_in(rows, n, by_number[n].design_index, by_number[n].requeue_of) is not None][:1]
         if runnable:
             try:
                 trial = store.claim_waiting(runnable[0])
