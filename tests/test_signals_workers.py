@@ -53,11 +53,12 @@ def test_workers_stop_together_and_resume(tmp_path: Path, sig: signal.Signals) -
     assert run.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -9}[sig], out + err
     if sig == signal.SIGKILL:  # the workers get SIGTERM when hpo run dies, and stop as gracefully
         deadline = time.monotonic() + 30
-        while any(r["state"] == "RUNNING" for r in rows(path)):
-            assert time.monotonic() < deadline
+        logs = sorted((tmp_path / "runs" / "sweep").glob("worker-*.log"))  # written by the worker once its pipe broke
+        ended = "\ninterrupted: running trials were recorded INTERRUPTED"
+        while any(r["state"] == "RUNNING" for r in rows(path)) or not all(ended in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, [log.read_text() for log in logs]  # the line follows the record
             time.sleep(0.2)
-        for log in (tmp_path / "runs" / "sweep").glob("worker-*.log"):  # written by the worker once its pipe broke
-            assert "\ninterrupted: running trials were recorded INTERRUPTED" in log.read_text(), log.read_text()
+        assert len(logs) == 2
     assert not [r for r in rows(path) if r["state"] == "RUNNING"]
     again = hpo("run", str(path), "--workers", "2")
     assert again.returncode == 0, again.stdout + again.stderr
