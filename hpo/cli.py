@@ -896,10 +896,23 @@ def _runs_elsewhere(trial: Any) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """End trial N early; the worker running it records it as STOPPED. InputError unless it
-    runs, or where its worker's process on this host is gone (:func:`_worker_gone`)."""
+    """End trial N early; the worker running it records it as STOPPED. A queued trial (an
+    interrupted or lost one's copy, a queued rerun) is recorded STOPPED here and never runs.
+    InputError unless it runs or is queued, or where its worker's process on this host is gone
+    (:func:`_worker_gone`)."""
+    from optuna.trial import TrialState
+
+    from hpo.outcome import Outcome, TrialResult
+    from hpo.render import trial_folder
+
     ctx = _context(args)
     store = _store(ctx)
+    trial = store.trial(args.trial)
+    if trial.state == TrialState.WAITING and store.withdraw(
+            args.trial, TrialResult(Outcome.STOPPED, reason="stopped by the user before it ran"),
+            trial_folder(ctx.workdir, args.trial)):
+        print(f"trial {args.trial} was queued: recorded STOPPED, it will not run")
+        return EXIT_OK
     gone = _worker_gone(ctx, store.trial(args.trial))
     if gone:
         raise InputError(f"trial {args.trial}: its worker is gone ({gone}), so nothing runs it to stop; "
@@ -1251,7 +1264,8 @@ COMMANDS = (
     Command("tail", cmd_tail, _tail_args,
             "Follow trial N's log live, like tail -f; ends when the trial ends."),
     Command("stop", cmd_stop, _trial_arg,
-            "End trial N early, from any terminal that reaches the store; it is recorded as STOPPED."),
+            "End trial N early, from any terminal that reaches the store; it is recorded as STOPPED (a queued "
+            "trial at once, and it never runs)."),
     Command("export", cmd_export, _export_args,
             "Write one row per trial, in trial-number order, to -o FILE (or stdout)."),
     Command("plot", cmd_plot, _plot_args,

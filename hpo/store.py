@@ -559,6 +559,23 @@ class StudyStore:
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
 
+    def withdraw(self, number: int, result: TrialResult, folder: Path | str) -> bool:
+        """Record the queued (WAITING) trial ``number`` as ``result`` without running it, with
+        the values it was queued with: it is claimed under the ask lock, so no worker starts it.
+        False, recording nothing, when a worker claimed it first (or it was not queued)."""
+        def claim() -> bool:
+            self.trials(states=(TrialState.WAITING,))  # Optuna's cache writes only the trials it has read
+            try:
+                trial = self.claim_waiting(number)
+            except InputError:
+                return False
+            with warnings.catch_warnings(), contextlib.suppress(ValueError):  # values from outside hpo: none
+                warnings.filterwarnings("ignore", message="Fixed parameter", category=UserWarning)
+                self.call(space.suggest, trial, self.scenario.parameters)
+            return True
+
+        return self.locked(claim) and self.record(number, result, folder)
+
     def request_stop(self, number: int) -> FrozenTrial:
         """Ask whichever worker runs trial ``number`` to end it; InputError unless it runs."""
         trial = self.trial(number)

@@ -108,3 +108,29 @@ def test_a_signal_at_any_moment_then_resume_runs_every_point_once(tmp_path: Path
     if point.startswith("record") and sig == "KILL":  # the result was in the folder: recorded, not re-run
         number = point.split("@")[1]
         assert next(r for r in found if r["number"] == number)["state"] == "COMPLETE"
+
+
+def test_hpo_stop_of_a_queued_copy_records_it_stopped_and_the_resume_never_runs_it(tmp_path: Path) -> None:
+    """Ctrl-C queues the running trial's copy; ``hpo stop`` of that copy records it STOPPED
+    at once (no worker runs it), and the resume runs every other point, that one never."""
+    path = write(tmp_path, 1)
+    assert hpo("run", str(path), faults="started@1=INT").returncode == 130
+    waiting = [r for r in rows(path) if r["state"] == "WAITING"]
+    assert len(waiting) == 1, rows(path)
+    copy = waiting[0]
+    stop = hpo("stop", str(path), copy["number"])
+    assert (stop.returncode, stop.stdout, stop.stderr) == (
+        0, f"trial {copy['number']} was queued: recorded STOPPED, it will not run\n", "")
+    exported = {r["number"]: r for r in csv.DictReader(io.StringIO(hpo("export", str(path)).stdout))}
+    assert (exported[copy["number"]]["state"], exported[copy["number"]]["reason"]) == (
+        "STOPPED", "stopped by the user before it ran")
+    assert (exported[copy["number"]]["repeat_of"], exported[copy["number"]]["x"]) == ("1", copy["x"])
+    assert not Path(exported[copy["number"]]["folder"]).exists()
+    again = hpo("stop", str(path), copy["number"])
+    assert (again.returncode, again.stderr.strip()) == (2, f"error: trial {copy['number']}: it is STOPPED, not running")
+    resumed = hpo("run", str(path))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    found = rows(path)
+    ran = [r for r in found if r["state"] == "COMPLETE"]
+    assert len(ran) == POINTS - 1 and copy["x"] not in {r["x"] for r in ran}, found
+    assert f"{POINTS}/{POINTS} trials done: {POINTS - 1} complete, 1 stopped" in resumed.stdout

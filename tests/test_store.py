@@ -307,6 +307,23 @@ def test_stop_requests(scenario: Scenario, url: str) -> None:
         other.request_stop(9)
 
 
+def test_a_queued_trial_is_withdrawn_unless_a_worker_claimed_it_first(scenario: Scenario, url: str) -> None:
+    store = StudyStore(scenario, url)
+    store.enqueue({"x": 0.25, "opt": "b"}, {"requeue_of": 7})
+    store.enqueue({"x": 0.75}, {"requeue_of": 8})
+    other = StudyStore(scenario, url, create=False)
+    stopped = TrialResult(Outcome.STOPPED, reason="stopped by the user before it ran")
+    assert other.withdraw(0, stopped, "f0")
+    claimed = store.ask()  # a worker's claim takes the next queued trial, not the withdrawn one
+    assert claimed.number == 1
+    assert not other.withdraw(1, stopped, "f1")
+    rows = store.rows()
+    assert [(r.outcome, r.reason, r.folder, r.params) for r in rows] == [
+        (Outcome.STOPPED, "stopped by the user before it ran", "f0", {"x": 0.25, "opt": "b"}), (Outcome.WAITING, "", "", {})]
+    assert store.trial(1).state == TrialState.RUNNING
+    assert not other.withdraw(0, stopped, "f0")  # ended already
+
+
 @pytest.mark.parametrize(
     ("values", "direction", "best"),
     [
