@@ -577,10 +577,11 @@ class StudyStore:
         return self.locked(claim) and self.record(number, result, folder)
 
     def request_stop(self, number: int) -> FrozenTrial:
-        """Ask whichever worker runs trial ``number`` to end it; InputError unless it runs."""
+        """Ask whichever worker runs trial ``number`` to end it; InputError unless it runs
+        (:meth:`withdraw` ends a queued one)."""
         trial = self.trial(number)
         if trial.state != TrialState.RUNNING:
-            raise InputError(f"trial {number}: it is {read_row(trial).state}, not running")
+            raise InputError(f"trial {number}: it is {read_row(trial).state}, not running or queued")
         self.set_system(number, SYS_STOP, time.time())
         return trial
 

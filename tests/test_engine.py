@@ -325,7 +325,7 @@ def test_stop_of_a_finished_trial_is_bad_input(tmp_path: Path) -> None:
     assert hpo("run", str(path)).returncode == 0
     result = hpo("stop", str(path), "0")
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: trial 0: it is COMPLETE, not running"
+    assert result.stderr.strip() == "error: trial 0: it is COMPLETE, not running or queued"
 
 
 @pytest.mark.parametrize("method", ["monte_carlo", "tpe"])

@@ -127,7 +127,7 @@ def test_hpo_stop_of_a_queued_copy_records_it_stopped_and_the_resume_never_runs_
     assert (exported[copy["number"]]["repeat_of"], exported[copy["number"]]["x"]) == ("1", copy["x"])
     assert not Path(exported[copy["number"]]["folder"]).exists()
     again = hpo("stop", str(path), copy["number"])
-    assert (again.returncode, again.stderr.strip()) == (2, f"error: trial {copy['number']}: it is STOPPED, not running")
+    assert (again.returncode, again.stderr.strip()) == (2, f"error: trial {copy['number']}: it is STOPPED, not running or queued")
     resumed = hpo("run", str(path))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     found = rows(path)

@@ -301,7 +301,7 @@ def test_stop_requests(scenario: Scenario, url: str) -> None:
     other.request_stop(trial.number)
     assert store.stop_requested(trial.number)
     store.record(trial.number, TrialResult(Outcome.STOPPED, reason="stopped by the user"), "f")
-    with pytest.raises(InputError, match="trial 0: it is STOPPED, not running"):
+    with pytest.raises(InputError, match="trial 0: it is STOPPED, not running or queued"):
         other.request_stop(trial.number)
     with pytest.raises(InputError, match="trial 9: no such trial in study demo"):
         other.request_stop(9)
