@@ -328,8 +328,12 @@ class Scheduler:
 
         Two copies exist only when a worker queued one while its ask lock had been lost in an
         outage unseen: the higher-numbered copy must not run, whatever the interleaving. The
-        trial a copy was requeued from is no twin: it is being ended. ``attrs``: its user attributes."""
-        return _twin_in(self.store.rows(), trial.number, attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF))
+        trial a copy was requeued from is no twin: it is being ended. ``attrs``: its user attributes.
+        A search method's new trial was queued for nothing: the study is not read again for it."""
+        index, origin = attrs.get(ATTR_DESIGN_INDEX), attrs.get(ATTR_REQUEUE_OF)
+        if index is None and origin is None:
+            return None
+        return _twin_in(self.store.rows(), trial.number, index, origin)
 
     def _next_point(self, rows: list[TrialRow]) -> int | None:
         """The place of the first design point whose number no standing trial
