@@ -569,9 +569,12 @@ class StudyStore:
                 trial = self.claim_waiting(number)
             except InputError:
                 return False
+            frozen = self.trial(number)
+            queued = frozen.system_attrs.get("fixed_params", {}).keys() | frozen.params.keys()  # none drawn here
             with warnings.catch_warnings(), contextlib.suppress(ValueError):  # values from outside hpo: none
                 warnings.filterwarnings("ignore", message="Fixed parameter", category=UserWarning)
-                self.call(space.suggest, trial, self.scenario.parameters)
+                self.call(space.suggest, trial, {name: param for name, param in self.scenario.parameters.items()
+                                                 if name in queued or param.type == "constant"})
             return True
 
         return self.locked(claim) and self.record(number, result, folder)

@@ -311,6 +311,7 @@ def test_a_queued_trial_is_withdrawn_unless_a_worker_claimed_it_first(scenario: 
     store = StudyStore(scenario, url)
     store.enqueue({"x": 0.25, "opt": "b"}, {"requeue_of": 7})
     store.enqueue({"x": 0.75}, {"requeue_of": 8})
+    store.enqueue({"x": 0.5}, {})  # queued from Optuna without "opt": withdrawn without one drawn for it
     other = StudyStore(scenario, url, create=False)
     stopped = TrialResult(Outcome.STOPPED, reason="stopped by the user before it ran")
     assert other.withdraw(0, stopped, "f0")
@@ -318,10 +319,12 @@ def test_a_queued_trial_is_withdrawn_unless_a_worker_claimed_it_first(scenario: 
     assert claimed.number == 1
     assert not other.withdraw(1, stopped, "f1")
     rows = store.rows()
-    assert [(r.outcome, r.reason, r.folder, r.params) for r in rows] == [
+    assert [(r.outcome, r.reason, r.folder, r.params) for r in rows[:2]] == [
         (Outcome.STOPPED, "stopped by the user before it ran", "f0", {"x": 0.25, "opt": "b"}), (Outcome.WAITING, "", "", {})]
     assert store.trial(1).state == TrialState.RUNNING
     assert not other.withdraw(0, stopped, "f0")  # ended already
+    assert other.withdraw(2, stopped, "f2")
+    assert store.rows()[2].params == {"x": 0.5}
 
 
 @pytest.mark.parametrize(
