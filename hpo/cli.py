@@ -908,12 +908,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     ctx = _context(args)
     store = _store(ctx)
     trial = store.trial(args.trial)
-    if trial.state == TrialState.WAITING and store.withdraw(
-            args.trial, TrialResult(Outcome.STOPPED, reason="stopped by the user before it ran"),
-            trial_folder(ctx.workdir, args.trial)):
-        print(f"trial {args.trial} was queued: recorded STOPPED, it will not run")
-        return EXIT_OK
-    gone = _worker_gone(ctx, store.trial(args.trial))
+    if trial.state == TrialState.WAITING:
+        if store.withdraw(args.trial, TrialResult(Outcome.STOPPED, reason="stopped by the user before it ran"),
+                          trial_folder(ctx.workdir, args.trial)):
+            print(f"trial {args.trial} was queued: recorded STOPPED, it will not run")
+            return EXIT_OK
+        trial = store.trial(args.trial)  # a worker claimed it first
+    gone = _worker_gone(ctx, trial)
     if gone:
         raise InputError(f"trial {args.trial}: its worker is gone ({gone}), so nothing runs it to stop; "
                          f"{_RECORDED_LATER}")

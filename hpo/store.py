@@ -564,13 +564,15 @@ class StudyStore:
         the values it was queued with: it is claimed under the ask lock, so no worker starts it.
         False, recording nothing, when a worker claimed it first (or it was not queued)."""
         def claim() -> bool:
-            self.trials(states=(TrialState.WAITING,))  # Optuna's cache writes only the trials it has read
+            # read through Optuna's cache, which writes only the trials it has read
+            waiting = next((t for t in self.trials(states=(TrialState.WAITING,)) if t.number == number), None)
+            if waiting is None:
+                return False
             try:
                 trial = self.claim_waiting(number)
             except InputError:
                 return False
-            frozen = self.trial(number)
-            queued = frozen.system_attrs.get("fixed_params", {}).keys() | frozen.params.keys()  # none drawn here
+            queued = waiting.system_attrs.get("fixed_params", {}).keys() | waiting.params.keys()  # none drawn here
             with warnings.catch_warnings(), contextlib.suppress(ValueError):  # values from outside hpo: none
                 warnings.filterwarnings("ignore", message="Fixed parameter", category=UserWarning)
                 self.call(space.suggest, trial, {name: param for name, param in self.scenario.parameters.items()
