@@ -121,11 +121,11 @@ def test_hpo_stop_of_a_queued_copy_records_it_stopped_and_the_resume_never_runs_
     stop = hpo("stop", str(path), copy["number"])
     assert (stop.returncode, stop.stdout, stop.stderr) == (
         0, f"trial {copy['number']} was queued: recorded STOPPED, it will not run\n", "")
-    exported = {r["number"]: r for r in csv.DictReader(io.StringIO(hpo("export", str(path)).stdout))}
-    assert (exported[copy["number"]]["state"], exported[copy["number"]]["reason"]) == (
-        "STOPPED", "stopped by the user before it ran")
-    assert (exported[copy["number"]]["repeat_of"], exported[copy["number"]]["x"]) == (interrupted["number"], copy["x"])
-    assert not Path(exported[copy["number"]]["folder"]).exists()
+    stopped = next(r for r in csv.DictReader(io.StringIO(hpo("export", str(path)).stdout))
+                   if r["number"] == copy["number"])
+    assert (stopped["state"], stopped["reason"]) == ("STOPPED", "stopped by the user before it ran")
+    assert (stopped["repeat_of"], stopped["x"]) == (interrupted["number"], copy["x"])
+    assert not Path(stopped["folder"]).exists()
     again = hpo("stop", str(path), copy["number"])
     assert (again.returncode, again.stderr.strip()) == (2, f"error: trial {copy['number']}: it is STOPPED, not running or queued")
     resumed = hpo("run", str(path))
