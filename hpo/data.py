@@ -7,21 +7,24 @@ validation split. Both loaders return Keras-style ``(train_images, train_labels)
 ``N x 3 x 32 x 32``) and int64 labels. Missing or malformed files raise
 :class:`~hpo.errors.InputError` with a one-line message that names the files expected and
 where to put them. :func:`load_digits_splits` gives scikit-learn's 8x8 digits, which ship
-with it, already split.
+with it, already split (and cached, so that trial processes need not import scikit-learn).
 
 The writers produce the very same formats, so tests can build small synthetic data sets.
 This module must stay cheap to import: trial scripts import it.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import pickle
+import zipfile
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from hpo.errors import InputError
+from hpo.files import cache_folder, replacing
 
 Split = tuple[np.ndarray, np.ndarray]
 
@@ -78,7 +81,26 @@ def train_val_test(data: tuple[Split, Split], fraction: float, seed: int, limit:
 def load_digits_splits(seed: int = 0) -> dict[str, Split]:
     """scikit-learn's 8x8 digits (``N x 64`` pixels in 0..16, int64 labels) as stratified
     ``train``, ``val`` and ``test`` splits: 20 % test, held out, and 20 % of the rest for
-    validation, fixed by ``seed`` (the split's own seed, whatever the hyper-parameters)."""
+    validation, fixed by ``seed`` (the split's own seed, whatever the hyper-parameters).
+
+    The splits are made by scikit-learn once per seed and scikit-learn version and kept in
+    hpo's cache folder (:func:`hpo.files.cache_folder`), so a trial's processes load them with
+    numpy alone: importing scikit-learn took 2.5 s of each process's start on 2 cores. A
+    cached file that cannot be read is made again; one that cannot be written is left out."""
+    path = _digits_cache(seed)
+    cached = _read_splits(path)
+    if cached is not None:
+        return cached
+    splits = _digits_splits(seed)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as temporary:
+            np.savez(temporary, **{f"{name}_{part}": array for name, split in splits.items()
+                                   for part, array in zip("xy", split)})
+    return splits
+
+
+def _digits_splits(seed: int) -> dict[str, Split]:
     from sklearn.datasets import load_digits  # imported when first needed: scikit-learn is slow to import
     from sklearn.model_selection import train_test_split
 
@@ -89,6 +111,22 @@ def load_digits_splits(seed: int = 0) -> dict[str, Split]:
                                                       random_state=seed)
     return {"train": (train_x, train_y.astype(np.int64)), "val": (val_x, val_y.astype(np.int64)),
             "test": (test_x, test_y.astype(np.int64))}
+
+
+def _digits_cache(seed: int) -> Path:
+    """Where the digits' splits for ``seed`` under the installed scikit-learn are cached."""
+    from importlib.metadata import version
+
+    return cache_folder() / f"digits-splits-seed{seed}-sklearn{version('scikit-learn')}.npz"
+
+
+def _read_splits(path: Path) -> dict[str, Split] | None:
+    """The splits cached at ``path``; None if it is missing or unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            return {name: (stored[f"{name}_x"], stored[f"{name}_y"]) for name in ("train", "val", "test")}
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError):
+        return None
 
 
 def _open(path: Path) -> IO[bytes]:

@@ -1,5 +1,6 @@
 """Files written whole or not at all: :func:`replacing` (the results, cache, exports and
-charts); the user's text files read as UTF-8 whatever the locale: :func:`utf8_text`."""
+charts); the user's text files read as UTF-8 whatever the locale: :func:`utf8_text`; hpo's
+folder of caches: :func:`cache_folder`."""
 from __future__ import annotations
 
 import codecs
@@ -22,6 +23,11 @@ def utf8_text(file: Path, save_as: str = "UTF-8") -> str:
         line = data.count(b"\n", 0, exc.start) + 1
         raise InputError(f"{file.name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x}); "
                          f"save it as {save_as}") from None
+
+
+def cache_folder() -> Path:
+    """The folder of hpo's caches: ``$XDG_CACHE_HOME/hpo``, else ``~/.cache/hpo`` (not created)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpo"
 
 
 @contextlib.contextmanager

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo.files import replacing
+from hpo.files import cache_folder, replacing
 from hpo.rows import FIELDS, TrialRow, row_from_list, row_to_list
 from hpo.storage import local_path, sqlite_path
 
@@ -60,9 +59,8 @@ def cache_path(url: str, study: str) -> Path:
     local = local_path(url)
     if local is not None:
         return local.with_name(f"{local.name}.{study}.hpo-rows.json")
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpo"
     digest = hashlib.sha256(f"{url}\n{study}".encode()).hexdigest()[:16]
-    return base / f"rows-{digest}.json"
+    return cache_folder() / f"rows-{digest}.json"
 
 
 def quiet_stamp(url: str) -> Stamp | None:

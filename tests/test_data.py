@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hpo import data
 from hpo.data import (
     CIFAR10_FOLDER,
     MNIST_FILES,
@@ -193,7 +197,14 @@ def test_train_val_test_holds_val_out_of_training_and_keeps_the_test_split() -> 
     assert splits["test"] is test
 
 
-def test_digits_splits_are_stratified_fixed_by_their_seed_and_int64() -> None:
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """hpo's cache folder, empty, in this test's folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "hpo"
+
+
+def test_digits_splits_are_stratified_fixed_by_their_seed_and_int64(cache: Path) -> None:
     splits = load_digits_splits()
 
     assert {name: len(y) for name, (_, y) in splits.items()} == {"train": 1149, "val": 288, "test": 360}
@@ -203,3 +214,49 @@ def test_digits_splits_are_stratified_fixed_by_their_seed_and_int64() -> None:
     again = load_digits_splits()
     assert all((again[name][0] == x).all() for name, (x, _) in splits.items())
     assert not (load_digits_splits(seed=1)["test"][0] == splits["test"][0]).all()
+
+
+def _same(a: dict[str, tuple[np.ndarray, np.ndarray]], b: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
+    return list(a) == list(b) and all(
+        x.dtype == bx.dtype and y.dtype == by.dtype and (x == bx).all() and (y == by).all()
+        for (x, y), (bx, by) in zip(a.values(), b.values()))
+
+
+def test_digits_splits_are_made_once_then_loaded_from_the_cache(cache: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    made = load_digits_splits(seed=2)
+    assert [path.name for path in cache.iterdir()] == [data._digits_cache(2).name]
+
+    def not_again(seed: int) -> None:
+        raise AssertionError("made again despite the cache")
+
+    monkeypatch.setattr(data, "_digits_splits", not_again)
+    assert _same(load_digits_splits(seed=2), made)
+
+
+def test_cached_digits_splits_equal_the_ones_scikit_learn_makes(cache: Path) -> None:
+    load_digits_splits(seed=3)
+    assert _same(load_digits_splits(seed=3), data._digits_splits(3))
+
+
+def test_a_trial_process_loads_cached_digits_without_importing_scikit_learn(cache: Path) -> None:
+    load_digits_splits()
+    code = "import sys; from hpo.data import load_digits_splits; load_digits_splits(); print('sklearn' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert ran.stdout.strip() == "False"
+
+
+def test_an_unreadable_cached_file_is_made_again(cache: Path) -> None:
+    made = load_digits_splits()
+    path = data._digits_cache(0)
+    path.write_bytes(path.read_bytes()[:1000])
+    assert _same(load_digits_splits(), made)
+    assert _same(data._read_splits(path), made)
+
+
+def test_a_cache_folder_that_cannot_be_written_still_gives_the_splits(cache: Path) -> None:
+    cache.parent.mkdir()
+    cache.write_text("a file where the folder would be")
+    assert _same(load_digits_splits(), data._digits_splits(0))
+    assert cache.read_text() == "a file where the folder would be"
