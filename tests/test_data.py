@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 import pickle
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import cli_env
 
 from hpo import data
 from hpo.data import (
@@ -242,8 +242,7 @@ def test_cached_digits_splits_equal_the_ones_scikit_learn_makes(cache: Path) -> 
 def test_a_trial_process_loads_cached_digits_without_importing_scikit_learn(cache: Path) -> None:
     load_digits_splits()
     code = "import sys; from hpo.data import load_digits_splits; load_digits_splits(); print('sklearn' in sys.modules)"
-    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=cli_env())
     assert ran.stdout.strip() == "False"
 
 
