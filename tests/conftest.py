@@ -105,23 +105,35 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-IN_PROCESS_COMMANDS = frozenset({"validate", "status", "export", "best", "plot"})
-"""The commands :func:`run_hpo` runs in this process: they read the study and print, start no
-process, install no signal handler and leave no thread behind. Starting Python, Optuna and
-SQLAlchemy again for each took about 200 of the suite's 1,650 CPU seconds."""
-
+READ_COMMANDS = frozenset({"validate", "status", "export", "best", "plot"})
+"""Commands that read the study and print: they start no process, install no signal handler
+and leave no thread behind."""
 
 _in_process = threading.Lock()
 
 
+def runs_in_process(argv: Sequence[str]) -> bool:
+    """Whether :func:`run_hpo` runs ``hpo ARGV`` in this process: a read command, or a sweep on
+    this machine (no ``--cluster``: a Dask client would leave its threads and logging behind)
+    called from the main thread (the only one that may install the sweep's signal handlers).
+    A process of its own starts Python, Optuna and SQLAlchemy again: 0.7 to 2 CPU seconds a
+    command, on a suite that is CPU-bound on 2 cores."""
+    if not argv:
+        return False
+    if argv[0] in READ_COMMANDS:
+        return True
+    return argv[0] == "run" and not any(arg.startswith("--cluster") for arg in argv) \
+        and threading.current_thread() is threading.main_thread()
+
+
 def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None,
             timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run ``hpo ARGS`` and capture its exit code and output (text): a command of
-    :data:`IN_PROCESS_COMMANDS` through :func:`hpo.cli.main` in this process, in the same
-    environment, folder and streams a ``python -m hpo`` process would have (see
-    :func:`run_hpo_process`); any other in a process of its own."""
+    """Run ``hpo ARGS`` and capture its exit code and output (text): where
+    :func:`runs_in_process`, through :func:`hpo.cli.main` in this process, in the same
+    environment, folder and streams a ``python -m hpo`` process would have; else (and always
+    with :func:`run_hpo_process`) in a process of its own."""
     argv = [str(arg) for arg in args]
-    if not argv or argv[0] not in IN_PROCESS_COMMANDS:
+    if not runs_in_process(argv):
         return run_hpo_process(*argv, cwd=cwd, timeout=timeout)
     from hpo import cli
 

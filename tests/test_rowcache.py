@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, run_hpo
+from conftest import cli_env, run_hpo_process
 
 from hpo import rowcache
 from hpo.outcome import Outcome, TrialResult
@@ -91,7 +91,7 @@ def test_status_of_a_quiet_store_opens_no_storage(scenario: Scenario, tmp_path: 
     study(scenario, url)
     age(url)
     path = tmp_path / "sc" / "scenario.yaml"
-    slow = run_hpo("status", path, "--storage", url)
+    slow = run_hpo_process("status", path, "--storage", url)
     assert slow.returncode == 0, slow.stderr
     probe = ("import sys; from hpo.cli import main; code = main(sys.argv[1:]); "
              "print('optuna imported' if 'optuna' in sys.modules else 'optuna not imported'); sys.exit(code)")

@@ -17,7 +17,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from conftest import Disk, cli_env, run_hpo
+from conftest import Disk, cli_env, run_hpo, run_hpo_process
 
 from hpo.engine import _FullFolders
 from hpo.render import FolderFull
@@ -220,7 +220,7 @@ def _swept_store(disk: Disk, tmp_path: Path, write_scenario: WriteScenario) -> t
     the store's row cache deleted: hpo status would answer from it, the store unopened."""
     scenario = _scenario(tmp_path, write_scenario, 1, PLAIN)
     store = f"sqlite:///{disk.mount / 'study.db'}"
-    assert run_hpo("run", scenario, "--storage", store).returncode == 0
+    assert run_hpo_process("run", scenario, "--storage", store).returncode == 0  # its exit closes the store
     for cache in disk.mount.glob("*.hpo-rows.json"):
         cache.unlink()
     return scenario, store
