@@ -131,7 +131,8 @@ def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None,
     """Run ``hpo ARGS`` and capture its exit code and output (text): where
     :func:`runs_in_process`, through :func:`hpo.cli.main` in this process, in the same
     environment, folder and streams a ``python -m hpo`` process would have; else (and always
-    with :func:`run_hpo_process`) in a process of its own."""
+    with :func:`run_hpo_process`) in a process of its own. ``timeout`` bounds a process of its
+    own; in this process the suite's timeout per test does."""
     argv = [str(arg) for arg in args]
     if not runs_in_process(argv):
         return run_hpo_process(*argv, cwd=cwd, timeout=timeout)
