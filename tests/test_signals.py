@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, run_hpo
 
 from hpo import designs
 from hpo.errors import InputError
@@ -51,9 +51,11 @@ def write(tmp_path: Path, parallel: int, pause: float = 0.1) -> Path:
 
 
 def hpo(*args: str, faults: str = "", timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = cli_env()
-    if faults:
-        env["HPO_FAULTS"] = faults
+    """Run ``hpo ARGS`` to the end; with ``faults`` (``HPO_FAULTS``: a signal at a named moment
+    of the sweep), always in a process of its own."""
+    if not faults:
+        return run_hpo(*args, timeout=timeout)
+    env = {**cli_env(), "HPO_FAULTS": faults}
     return subprocess.run([sys.executable, "-m", "hpo", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
 
