@@ -139,24 +139,17 @@ def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None,
     from hpo import cli
 
     out, err = io.StringIO(), io.StringIO()
-    with _in_process:  # the environment, the folder and the streams are the whole process's
-        changed = (*CLI_ENV_SET, *CLI_ENV_UNSET)  # changed alone: a thread may read the rest meanwhile
-        saved_env, saved_cwd = {name: os.environ.get(name) for name in changed}, os.getcwd()
-        try:
-            os.environ.update(CLI_ENV_SET)
-            for name in CLI_ENV_UNSET:
-                os.environ.pop(name, None)
-            if cwd is not None:
-                os.chdir(cwd)
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = cli.main(argv)
-        finally:
-            os.chdir(saved_cwd)
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    # The environment, the folder and the streams are the whole process's. Only the variables
+    # the CLI's environment changes are touched: a thread may start a process meanwhile.
+    with _in_process, pytest.MonkeyPatch.context() as patch:
+        for name, value in CLI_ENV_SET.items():
+            patch.setenv(name, value)
+        for name in CLI_ENV_UNSET:
+            patch.delenv(name, raising=False)
+        if cwd is not None:
+            patch.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
     return subprocess.CompletedProcess(["hpo", *argv], code, out.getvalue(), err.getvalue())
 
 
