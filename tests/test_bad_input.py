@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import runs_in_process
 
 from hpo.errors import in_scenario
 from hpo.scenario import Scenario, allowed_keys
@@ -236,7 +237,9 @@ class Outcome:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory, write_scenario: WriteScenario,
              run_cli: RunCli) -> dict[str, Outcome]:
-    """Every case written to its own folder, then run through the CLI, several processes at once."""
+    """Every case written to its own folder, then run through the CLI: the commands that need a
+    process of their own several at once, the rest in this process's main thread meanwhile (a
+    sweep runs in process only from there)."""
     prepared = {}
     for name, case in CASES.items():
         folder = tmp_path_factory.mktemp(name)
@@ -249,7 +252,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, write_scenario: WriteScen
         return name, Outcome(folder, args, run_cli(*args, cwd=folder))
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(run, prepared))
+        processes = [pool.submit(run, name) for name, (_, args) in prepared.items() if not runs_in_process(args)]
+        outcomes = dict(run(name) for name, (_, args) in prepared.items() if runs_in_process(args))
+        return outcomes | dict(process.result() for process in processes)
 
 
 @pytest.mark.parametrize("name", list(CASES))
