@@ -8,6 +8,7 @@ hpo's SMAC-style optimizer for ``smac``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,8 +62,10 @@ def build_sampler(method: str, parameters: Mapping[str, Param], *, seed: int | N
         direction: ``minimize`` or ``maximize``, the objective's direction.
     """
     if method == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          **_quiet_independent_sampling())
+        with warnings.catch_warnings():  # hpo's choice of TPE's options, not its caller's: no ExperimentalWarning
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                              **_quiet_independent_sampling())
     if method == "gp":
         from hpo.gp import START_TRIALS
 

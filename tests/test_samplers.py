@@ -5,6 +5,7 @@ settled at validation."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,16 @@ def test_a_log_scaled_proposal_at_a_bound_is_the_bound_itself(method: str) -> No
     study.optimize(lambda trial: sum(space.suggest(trial, params).values()), n_trials=16)
     low = [t.params["lr"] for t in study.trials if t.params["lr"] < 1e-3 * 1.001]
     assert low and all(lr == 1e-3 for lr in low)
+
+
+@pytest.mark.parametrize("method", ["tpe", "gp", "smac", "monte_carlo"])
+def test_a_sampler_is_built_without_a_warning(method: str) -> None:
+    """The options hpo gives Optuna's samplers are its own choice: a program that builds one
+    (a sweep, not the CLI, which silences Optuna) is not warned that TPE's ``group`` is
+    experimental."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_sampler(method, CONDITIONAL_PARAMS, seed=0)
 
 
 @pytest.mark.parametrize("params", [KIT_PARAMS, CONDITIONAL_PARAMS], ids=["plain", "conditional"])
