@@ -153,11 +153,13 @@ def run_hpo(*args: str | os.PathLike[str], cwd: Path | None = None,
     return subprocess.CompletedProcess(["hpo", *argv], code, out.getvalue(), err.getvalue())
 
 
-def run_hpo_process(*args: str | os.PathLike[str], cwd: Path | None = None,
-                    timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m hpo ARGS`` in a process of its own and capture its output (text)."""
-    return subprocess.run([sys.executable, "-m", "hpo", *map(str, args)], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout, check=False)
+def run_hpo_process(*args: str | os.PathLike[str], cwd: Path | None = None, timeout: float = CLI_TIMEOUT_S,
+                    extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m hpo ARGS`` in a process of its own, in :func:`cli_env` with ``extra_env``
+    over it, and capture its output (text)."""
+    return subprocess.run([sys.executable, "-m", "hpo", *map(str, args)], cwd=cwd,
+                          env={**cli_env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import TEMPLATE_TEXT, cli_env, run_hpo
+from conftest import TEMPLATE_TEXT, cli_env, run_hpo, run_hpo_process
 
 WriteScenario = Callable[..., Path]
 RunCli = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -161,9 +161,7 @@ def test_gpu_lists_are_checked(tmp_path: Path, write_scenario: WriteScenario) ->
     worker = run_hpo("worker", scenario, "--gpus", "0,x")
     assert (worker.returncode, worker.stderr) == (
         2, "error: --gpus: '0,x' is not a comma-separated list of GPU ids (whole numbers, e.g. 0,1)\n")
-    env = {**cli_env(), "HPO_GPUS": "1,1"}
-    validate = subprocess.run([sys.executable, "-m", "hpo", "validate", str(scenario)], env=env,
-                              capture_output=True, text=True, timeout=60, check=False)
+    validate = run_hpo_process("validate", scenario, timeout=60, extra_env={"HPO_GPUS": "1,1"})
     assert (validate.returncode, validate.stderr) == (2, "error: HPO_GPUS: GPU ids must be unique, got 1,1\n")
 
 
@@ -182,9 +180,7 @@ def test_status_and_export_show_the_constants_a_trial_ran_with(tmp_path: Path,
 
 def test_gpus_a_worker_is_given_must_be_on_the_machine(tmp_path: Path, write_scenario: WriteScenario) -> None:
     scenario = write_scenario(tmp_path)
-    env = {**cli_env(), "HPO_GPUS": "0,1"}
-    worker = subprocess.run([sys.executable, "-m", "hpo", "worker", str(scenario), "--gpus", "1,5"], env=env,
-                            capture_output=True, text=True, timeout=60, check=False)
+    worker = run_hpo_process("worker", scenario, "--gpus", "1,5", timeout=60, extra_env={"HPO_GPUS": "0,1"})
     assert (worker.returncode, worker.stderr) == (
         2, "error: --gpus: GPU 5 is not on this machine (it has GPUs 0,1; HPO_GPUS overrides what nvidia-smi shows)\n")
 
@@ -431,14 +427,13 @@ def test_help_says_each_command_in_whole_sentences_without_developer_terms() -> 
     from hpo.cli import COMMANDS
 
     for command in COMMANDS:
-        helped = subprocess.run([sys.executable, "-m", "hpo", command.name, "--help"], env={**cli_env(), "COLUMNS": "100"},
-                                capture_output=True, text=True, timeout=60, check=False)  # no hyphen broken at a line end
+        # no hyphen broken at a line end
+        helped = run_hpo_process(command.name, "--help", timeout=60, extra_env={"COLUMNS": "100"})
         assert helped.returncode == 0, helped.stderr
         text = " ".join(helped.stdout.split())
         assert " ".join(command.summary.split()) in text and command.summary.endswith("."), command.name
         assert not re.search(r":(func|mod|class|data|meth):|``|InputError|_worker_gone", helped.stdout), helped.stdout
-    listed = " ".join(subprocess.run([sys.executable, "-m", "hpo", "--help"], env={**cli_env(), "COLUMNS": "100"},
-                                     capture_output=True, text=True, timeout=60, check=False).stdout.split())
+    listed = " ".join(run_hpo_process("--help", timeout=60, extra_env={"COLUMNS": "100"}).stdout.split())
     assert all(" ".join(command.summary.split()) in listed for command in COMMANDS), listed
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 import psutil
 import pytest
-from conftest import WriteScenario, cli_env, run_hpo
+from conftest import WriteScenario, cli_env, run_hpo, run_hpo_process
 from distributed import Client
 
 from hpo.dask_executor import (
@@ -212,9 +212,8 @@ def test_an_address_where_no_scheduler_answers_is_bad_input_within_the_connect_t
 
 def test_hpo_run_on_an_address_where_no_scheduler_answers_says_so_in_one_line(
         write_scenario: WriteScenario, tmp_path: Path, impostor: str) -> None:
-    env = {**cli_env(), "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"}
-    done = subprocess.run([sys.executable, "-m", "hpo", "run", str(write_scenario(tmp_path)), "--cluster", impostor],
-                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    done = run_hpo_process("run", write_scenario(tmp_path), "--cluster", impostor, timeout=60,
+                           extra_env={"DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"})
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: --cluster: no Dask scheduler answers at {impostor} (")
     assert done.stderr.count("\n") == 1, done.stderr

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import WriteScenario, cli_env, run_hpo
+from conftest import WriteScenario, cli_env, run_hpo, run_hpo_process
 from distributed import Client
 from test_dask import Control, LocalDask, Running, held, own_cluster, trial_spec, wait_for
 
@@ -134,9 +134,7 @@ def test_a_batch_job_that_cannot_be_submitted_stops_the_sweep_in_one_line(tmp_pa
     sbatch.chmod(0o755)
     path = write_scenario(tmp_path, resources={"cluster": {"kind": "slurm", "jobs": 1, "cores": 1, "memory": "1GB",
                                                            "queue": "gpu"}})
-    env = {**cli_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-m", "hpo", "run", str(path)], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = run_hpo_process("run", path, timeout=60, extra_env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert done.returncode == 1, done.stderr
     assert "hpo: a batch job could not be submitted: sbatch: error: invalid partition specified: gpu\n" in done.stdout
     assert done.stderr.startswith("error: resources.cluster: no batch job could be submitted to run the trials "

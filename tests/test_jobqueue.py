@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import dask
 import pytest
-from conftest import cli_env
+from conftest import run_hpo_process
 
 from hpo.jobqueue import SCHEDULER_PLACEHOLDER, job_script
 from hpo.scenario import Cluster
@@ -49,9 +48,8 @@ def test_validate_of_a_cluster_scenario_writes_nothing(tmp_path: Path, write_sce
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    env = {**cli_env(), "TMPDIR": str(temporary), "PATH": f"{on_path(tmp_path / 'bin', 'sbatch')}:{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, "-m", "hpo", "validate", str(path)], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = run_hpo_process("validate", path, timeout=120, extra_env={
+        "TMPDIR": str(temporary), "PATH": f"{on_path(tmp_path / 'bin', 'sbatch')}:{os.environ['PATH']}"})
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --gres=gpu:2" in done.stdout and SCHEDULER_PLACEHOLDER in done.stdout
     assert list(temporary.iterdir()) == []
@@ -79,9 +77,7 @@ def test_batch_jobs_that_cannot_be_submitted_from_here_are_bad_input(
     cluster: dict[str, Any] = {"kind": kind, "jobs": 2, "cores": 1, "memory": "1GB", **extra}
     path = write_scenario(tmp_path / "s", resources={"cluster": cluster})
     python_only = Path(sys.executable).parent
-    done = subprocess.run([sys.executable, "-m", "hpo", hpo_command, str(path)],
-                          env={**cli_env(), "PATH": str(python_only)}, capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = run_hpo_process(hpo_command, path, timeout=120, extra_env={"PATH": str(python_only)})
     said = (f"resources.cluster.kind: {kind} jobs are submitted with {command}, which is not on PATH here; run hpo "
             f"where {command} works (a login node of the cluster)")
     if hpo_command == "validate":  # the job script is printed, as anywhere, with the note

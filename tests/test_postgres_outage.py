@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, run_hpo_process
 
 import hpo.storage
 from hpo import designs
@@ -131,8 +131,7 @@ def start(path: Path) -> subprocess.Popen[str]:
 
 
 def rows(path: Path) -> list[dict[str, str]]:
-    done = subprocess.run([sys.executable, "-m", "hpo", "export", str(path), "--storage", URL], env=cli_env(),
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = run_hpo_process("export", path, "--storage", URL, timeout=60)
     return list(csv.DictReader(io.StringIO(done.stdout))) if done.returncode == 0 else []
 
 
@@ -186,8 +185,7 @@ def test_an_outage_past_store_retry_stops_with_one_line_and_resumes(server: str,
     assert "Traceback" not in out
     logs = "".join(log.read_text() for log in tmp_path.glob("runs/*/worker-*.log"))
     assert f"error: the store postgresql://hpo:***@127.0.0.1:{PORT}/hpo has not answered for" in logs
-    again = subprocess.run([sys.executable, "-m", "hpo", "run", str(path), "--storage", URL], env=cli_env(),
-                           capture_output=True, text=True, timeout=180, check=False)
+    again = run_hpo_process("run", path, "--storage", URL, timeout=180)
     assert again.returncode == 0, again.stdout + again.stderr
     assert_every_point_once(path)
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import csv
 import io
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, run_hpo
+from conftest import run_hpo, run_hpo_process
 
 from hpo import designs
 from hpo.errors import InputError
@@ -55,9 +54,7 @@ def hpo(*args: str, faults: str = "", timeout: float = 120) -> subprocess.Comple
     of the sweep), always in a process of its own."""
     if not faults:
         return run_hpo(*args, timeout=timeout)
-    env = {**cli_env(), "HPO_FAULTS": faults}
-    return subprocess.run([sys.executable, "-m", "hpo", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return run_hpo_process(*args, timeout=timeout, extra_env={"HPO_FAULTS": faults})
 
 
 def rows(path: Path) -> list[dict[str, str]]:
