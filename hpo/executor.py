@@ -33,7 +33,6 @@ import os
 import re
 import signal
 import threading
-import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -223,18 +222,19 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
 
     env = trial_env(spec.slot, spec.token, {**spec.env, "HPO_TRIAL_DIR": str(folder)})
     control.started(spec.slot)
-    watch = _Watch()
-    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, watch(should_end))
-    exit_code, ended_by, duration = process.exit_code, process.ended_by, watch.known(process)
+    process = run_process(spec.argv, folder, env, folder / LOG_FILE, spec.timeout, on_lines, should_end)
+    exit_code, ended_by = process.exit_code, process.ended_by
+    duration, paused_s = _known_run(process)
     if ended_by is None and pruned_at is not None:  # it ended by itself before it was killed: the pruner's word stands
         ended_by = "pruned"
     disk_full, sigkill_after = process.disk_full, process.sigkill_after_s
     if objective.post_process and exit_code == 0 and ended_by is None:
         left = None if spec.timeout is None else max(0.0, spec.timeout - duration)
-        watch = _Watch(watch.paused_s)
         post = run_process(this_python(objective.post_process), folder, env, folder / LOG_FILE, left,
-                           on_lines, watch(control.end_request))
-        exit_code, ended_by, duration = post.exit_code, post.ended_by, duration + watch.known(post)
+                           on_lines, control.end_request)
+        post_duration, post_paused_s = _known_run(post)
+        exit_code, ended_by = post.exit_code, post.ended_by
+        duration, paused_s = duration + post_duration, paused_s + post_paused_s
         disk_full, sigkill_after = post.disk_full, post.sigkill_after_s
         if exit_code != 0 and ended_by is None:
             ended_by = _with_line(f"post_process exit code {exit_code}", tail, or_last_line=True)
@@ -242,11 +242,11 @@ def run_trial(spec: TrialSpec, control: TrialControl, folder: Path,
         result = judge(parser.metrics(), objective, exit_code, "interrupted", list(tail), duration, spec.timeout)
         result = replace(result, reason=f"interrupted: {ended_by}; it runs again")
         with contextlib.suppress(FolderFull):  # the sweep records it: result.json is a backup
-            save_result(folder, spec.number, result, watch.paused_s)
+            save_result(folder, spec.number, result, paused_s)
         raise FolderFull(ended_by, result)
     result = judge(parser.metrics(), objective, exit_code, ended_by, list(tail), duration, spec.timeout, pruned_at,
                    sigkill_after)
-    return save_result(folder, spec.number, _lost_if(lost_cause, result), watch.paused_s)
+    return save_result(folder, spec.number, _lost_if(lost_cause, result), paused_s)
 
 
 def _lost_if(lost_cause: Callable[[], str | None] | None, result: TrialResult) -> TrialResult:
@@ -255,30 +255,14 @@ def _lost_if(lost_cause: Callable[[], str | None] | None, result: TrialResult) -
     return result if cause is None else TrialResult(Outcome.LOST, duration_s=result.duration_s, reason=f"lost: {cause}")
 
 
-class _Watch:
-    """When a process run by :func:`run_process` was last seen running: its ``should_end``
-    polls, wrapped by calling this, are those moments."""
-
-    def __init__(self, paused_s: float = 0.0) -> None:
-        self.paused_s = paused_s
-        self._began = self._seen = time.monotonic()
-
-    def __call__(self, should_end: Callable[[], str | None]) -> Callable[[], str | None]:
-        def watched() -> str | None:
-            self._seen = time.monotonic()
-            return should_end()
-
-        return watched
-
-    def known(self, process: ProcessResult) -> float:
-        """How long ``process`` is known to have run: its duration, unless it ended by itself
-        long after it was last seen running (the worker was paused: :attr:`paused_s` adds
-        that span), then until that moment."""
-        seen = self._seen - self._began
-        if process.ended_by is not None or process.duration_s - seen < PAUSE_NOTED_S:
-            return process.duration_s
-        self.paused_s += process.duration_s - seen
-        return seen
+def _known_run(process: ProcessResult) -> tuple[float, float]:
+    """How long ``process`` is known to have run, and the span it ended in unseen: its
+    duration and 0, unless it ended by itself long after it was last seen running (the worker
+    was paused), then until that moment, and the rest."""
+    unseen = process.duration_s - process.seen_running_s
+    if process.ended_by is not None or unseen < PAUSE_NOTED_S:
+        return process.duration_s, 0.0
+    return process.seen_running_s, unseen
 
 
 def _with_line(cause: str, tail: Sequence[str], or_last_line: bool = False) -> str:

@@ -390,7 +390,9 @@ def trial_env(slot: Slot, token: str, extra: Mapping[str, str],
 @dataclass(frozen=True)
 class ProcessResult:
     """How a trial's process ended: exit code, what ended it early (if anything), seconds;
-    ``disk_full``: the log's disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line),
+    ``seen_running_s``: the latest moment, in seconds after its start, at which it is known to
+    have been running (a poll found it alive then or later; where the poller was paused while
+    it ended, ``duration_s`` runs past its real end, this does not); ``disk_full``: the log's disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line),
     which is no fault of the process; ``sigkill_after_s``: ended early, its tree ignored SIGTERM
     and was killed with SIGKILL this many seconds later (:data:`KILL_GRACE_S`), else None."""
 
@@ -400,6 +402,7 @@ class ProcessResult:
     pid: int
     disk_full: bool = False
     sigkill_after_s: float | None = None
+    seen_running_s: float = 0.0
 
 
 def die_with_parent() -> None:
@@ -579,9 +582,14 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
         handler.start()
         ended_by: str | None = None
         sigkill_after: float | None = None
+        seen = start  # when it is last known to have run
         try:
             ended_by = should_end()
-            while ended_by is None and not _exits_within(proc, POLL_S):
+            while ended_by is None:
+                polled = time.monotonic()
+                if _exits_within(proc, POLL_S):
+                    break
+                seen = polled  # alive after the wait, so alive when it began, whatever paused this thread since
                 if output.failure is not None:
                     ended_by = output.failure
                 elif timeout is not None and time.monotonic() - start > timeout:
@@ -603,7 +611,7 @@ def run_process(argv: Sequence[str], cwd: Path, env: Mapping[str, str], log_path
                 output.close()
                 handler.join()
     return ProcessResult(proc.returncode, ended_by or output.failure, duration, proc.pid, output.disk_full,
-                         sigkill_after)
+                         sigkill_after, max(0.0, seen - start))
 
 
 def _raise_if_machine_limit(exc: OSError, what: str) -> None:

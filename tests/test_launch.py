@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from hpo import cli
+from hpo import cli, launch
 from hpo.errors import ExecutorUnavailable, InputError
 from hpo.launch import (
     GPU_ENV,
@@ -519,6 +519,29 @@ def test_exit_code_and_output(tmp_path: Path) -> None:
     assert result.duration_s >= 0
     assert lines == ["hello\n", "val_error=0.5\n"]
     assert (tmp_path / "trial.log").read_text() == "hello\nval_error=0.5\n"
+
+
+def test_a_process_that_ends_while_its_poller_is_paused_was_last_seen_before_the_pause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poller paused (SIGSTOP, a stalled machine) just after a poll found the process
+    alive, before anything else ran: the process ends meanwhile, and it is known to have run
+    until that poll, not until the poller woke (a CI run saw a frozen worker's trial count
+    its whole pause)."""
+    real = launch._exits_within
+    polls = 0
+
+    def paused_after_the_second_poll(proc: Any, seconds: float) -> bool:
+        nonlocal polls
+        exited = real(proc, seconds)
+        polls += 1
+        if polls == 2 and not exited:
+            time.sleep(1.5)
+        return exited
+
+    monkeypatch.setattr(launch, "_exits_within", paused_after_the_second_poll)
+    result, _ = _run(tmp_path, "import time; time.sleep(0.2)")
+    assert result.exit_code == 0 and result.duration_s > 1.5
+    assert result.seen_running_s < 0.5, result
 
 
 def test_log_is_appended(tmp_path: Path) -> None:
