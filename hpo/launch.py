@@ -392,8 +392,9 @@ class ProcessResult:
     """How a trial's process ended: exit code, what ended it early (if anything), seconds;
     ``seen_running_s``: the latest moment, in seconds after its start, at which it is known to
     have been running (a poll found it alive then or later; where the poller was paused while
-    it ended, ``duration_s`` runs past its real end, this does not); ``disk_full``: the log's disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line),
-    which is no fault of the process; ``sigkill_after_s``: ended early, its tree ignored SIGTERM
+    it ended, ``duration_s`` runs past its real end, this does not); ``disk_full``: the log's
+    disk was full (``ended_by`` is :func:`hpo.render.full_disk`'s line), which is no fault of
+    the process; ``sigkill_after_s``: ended early, its tree ignored SIGTERM
     and was killed with SIGKILL this many seconds later (:data:`KILL_GRACE_S`), else None."""
 
     exit_code: int
