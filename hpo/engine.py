@@ -258,7 +258,7 @@ class _FullFolders:
 
 class _Running:
     """A trial this worker claimed: started or not, why it should end early, if it should, and
-    the full disk that ended it, if one did (:meth:`Sweep._waited_for_room`)."""
+    the full disk that ended it, if one did (:meth:`_TrialRunner.execute`)."""
 
     def __init__(self, claim: Claim) -> None:
         self.claim = claim
@@ -268,8 +268,330 @@ class _Running:
         self.filled_disk: FolderFull | None = None
 
 
+class _Claims:
+    """The trials this worker's slots hold (:class:`_Running`), from their claim, made under the
+    study's ask lock, until they are recorded or released. A design's next trial may be claimed
+    ahead for a slot while its current trial runs (:meth:`submit_ahead`). Thread-safe: the slots,
+    the watchdog and each trial's control share it."""
+
+    def __init__(self, store: StudyStore, scheduler: Scheduler, stopping: threading.Event,
+                 say: Callable[[str], None]) -> None:
+        self._store = store
+        self._scheduler = scheduler
+        self._stopping = stopping
+        self._say = say
+        self._lock = threading.Lock()
+        self._running: dict[int, _Running] = {}
+        self._ahead: dict[int, Claim] = {}  # slot index: a design's trial claimed ahead, not started yet
+        self._ahead_claims = 0  # claims ahead under way
+
+    def numbers(self) -> list[int]:
+        """The trials this worker's slots claimed (started or not)."""
+        with self._lock:
+            return list(self._running)
+
+    def get(self, number: int) -> _Running | None:
+        """What is known of trial ``number``, if this worker holds it."""
+        with self._lock:
+            return self._running.get(number)
+
+    def hold(self, claim: Claim) -> None:
+        """Hold ``claim``, made outside :meth:`next` (``hpo rerun``)."""
+        with self._lock:
+            self._running[claim.number] = _Running(claim)
+
+    def drop(self, number: int) -> None:
+        """Hold trial ``number`` no more (it is recorded, or another worker took it back)."""
+        with self._lock:
+            self._running.pop(number, None)
+
+    def request_end(self, number: int) -> None:
+        """End trial ``number`` early: a user asked for it (``hpo stop``)."""
+        with self._lock:
+            running = self._running.get(number)
+            if running is not None and running.end_request is None:
+                running.end_request = "stopped"
+
+    def next(self) -> Claim | None:
+        """The next trial for a slot, waiting while other workers' last trials still run."""
+        while not self._stopping.is_set():
+            claimed = self._claim()
+            if isinstance(claimed, Claim):
+                return claimed
+            if claimed is None:
+                return self._take_any_ahead()
+            self._stopping.wait(CLAIM_POLL_S)
+        return None
+
+    def submit_ahead(self, books: ThreadPoolExecutor, slot: Slot) -> Future[Claim | str | None]:
+        """:meth:`_claim_ahead` on the slot's books thread, counted from now (it may wait there
+        behind the settling of the slot's last trial, which may queue a trial to run again)."""
+        with self._lock:
+            self._ahead_claims += 1
+        try:
+            return books.submit(self._claim_ahead, slot)
+        except BaseException:
+            with self._lock:
+                self._ahead_claims -= 1
+            raise
+
+    def _claim_ahead(self, slot: Slot) -> Claim | str | None:
+        """A design's next trial for ``slot``, claimed while its current trial runs; until
+        the slot takes it (:meth:`take_ahead`), a slot that frees up with nothing left to
+        claim may take it (:meth:`_take_any_ahead`) and run it at once. Counted in
+        ``_ahead_claims`` by :meth:`submit_ahead`, until it is claimed."""
+        claimed: Claim | str | None = None
+        try:
+            claimed = self._claim()
+        finally:
+            with self._lock:
+                self._ahead_claims -= 1
+                if isinstance(claimed, Claim):
+                    self._ahead[slot.index] = claimed
+        return claimed
+
+    def take_ahead(self, slot: Slot, claimed: Claim | str | None) -> Claim | str | None:
+        """What :meth:`_claim_ahead` returned for ``slot``: None where another slot took it."""
+        if not isinstance(claimed, Claim):
+            return claimed
+        with self._lock:
+            return self._ahead.pop(slot.index, None)
+
+    def _take_any_ahead(self) -> Claim | None:
+        """A trial that another slot claimed ahead and has not started (waiting for the claims
+        ahead under way), for a slot that found nothing left to claim; None where there is none."""
+        while True:
+            with self._lock:
+                if self._ahead:
+                    claim = self._ahead.pop(next(iter(self._ahead)))
+                    break
+                if not self._ahead_claims or self._stopping.is_set():
+                    return None
+            time.sleep(AHEAD_POLL_S)
+        return claim if self.still_held(claim) else self._take_any_ahead()
+
+    def _claim(self) -> Claim | str | None:
+        def section() -> Claim | str | None:
+            if self._stopping.is_set():
+                return None
+            with self._lock:
+                mine = set(self._running)
+            claimed = self._scheduler.claim(mine)
+            if isinstance(claimed, Claim):
+                with self._lock:
+                    self._running[claimed.number] = _Running(claimed)
+            return claimed
+
+        return self._store.locked(section)
+
+    def release(self, claim: Claim) -> None:
+        """Give ``claim`` back to the study (it goes back to WAITING) and hold it no more."""
+        try:
+            self._scheduler.release(claim)
+        finally:
+            self.drop(claim.number)
+
+    def still_held(self, claim: Claim) -> bool:
+        """Whether ``claim``, made while the slot's last trial ran, is still this worker's; if
+        another worker found this one gone meanwhile and took it back, it is dropped."""
+        if self._scheduler.holds(claim):
+            return True
+        self.drop(claim.number)
+        self._say(f"trial {claim.number} was taken back by another worker before it started here "
+                  "(this worker had not beaten its heartbeat in time): not run here")
+        return False
+
+
+def _ends_lock_wait(error: BaseException, stopping: threading.Event, store: StudyStore) -> bool:
+    """Whether ``error`` is a wait for the ask lock that the stop ended: once ``stopping``, a
+    StoreUnavailable while the store answers (:func:`hpo.storage.ask_lock` gives up then)."""
+    return isinstance(error, StoreUnavailable) and stopping.is_set() and store.call.healthy_since is not None
+
+
+class _TrialRunner:
+    """Runs a claimed trial on the executor and records how it ended: builds its files, waits
+    out a full disk under its folder (the module docstring), judges the result
+    (:meth:`verdict`), tells the observer (:meth:`announce`) and records it (:meth:`settle`).
+    ``observer`` is set by :meth:`Sweep.run`."""
+
+    def __init__(self, config: SweepConfig, renderer: Renderer, store: StudyStore, scheduler: Scheduler,
+                 claims: _Claims, executor: Executor, stopping: threading.Event,
+                 on_fatal: Callable[[BaseException], None], say: Callable[[str], None]) -> None:
+        self.scenario = config.scenario
+        self.store = store
+        self.claims = claims
+        self.stopping = stopping
+        self.full = _FullFolders(config.workdir, config.scenario.resources.store_retry, say)
+        self.observer: Observer | None = None
+        self._renderer = renderer
+        self._scheduler = scheduler
+        self._executor = executor
+        self._on_fatal = on_fatal
+        self._say = say
+        self._lock = threading.Lock()
+        self._unrecorded: list[int] = []  # trials whose end the stop kept from the store (the ask lock)
+
+    @property
+    def unrecorded(self) -> list[int]:
+        """The trials whose end the stop kept from the store (it needed the ask lock)."""
+        with self._lock:
+            return sorted(self._unrecorded)
+
+    def spec(self, slot: Slot, claim: Claim) -> TrialSpec:
+        """Everything the executor needs to run ``claim`` on ``slot``."""
+        scenario = self.scenario
+        argv = build_argv(scenario, claim.params, slot.processes, uses_torchrun(scenario.resources, slot), claim.seed)
+        post = this_python(scenario.objective.post_process) if scenario.objective.post_process else []
+        files = self._renderer.files(claim.number, claim.folder, claim.params, argv, claim.seed, post)
+        env = {**scenario.env, "HPO_TRIAL_NUMBER": str(claim.number)}
+        return TrialSpec(claim.number, claim.params, claim.folder, files, tuple(argv), env, slot, claim.token,
+                         scenario.resources.timeout, scenario.objective)
+
+    def execute(self, slot: Slot, claim: Claim) -> TrialResult:
+        """Build and run one trial; any error of hpo's own becomes a FAIL with its reason, and
+        a full disk under its folder is waited out (the module docstring)."""
+        start = time.monotonic()
+        try:
+            spec = self.spec(slot, claim)
+        except InputError as exc:  # its templates do not render for these values: the folder says why
+            result = TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc))
+            try:
+                with folder_writes(claim.folder / LOG_FILE):
+                    claim.folder.mkdir(parents=True, exist_ok=True)
+                    (claim.folder / LOG_FILE).write_text(f"hpo: {exc}\n")
+                return save_result(claim.folder, claim.number, result)
+            except FolderFull as full:  # the store records why all the same
+                self.full.failed(full)
+                return result
+        control = _Control(self, claim, slot)
+        try:
+            return self._run_waiting_for_room(claim, spec, control, start)
+        finally:
+            self.full.done(claim.number)
+
+    def _run_waiting_for_room(self, claim: Claim, spec: TrialSpec, control: _Control, start: float) -> TrialResult:
+        """Run ``claim`` on its executor, its files tried again while a full disk refuses them."""
+        pause = FIRST_PAUSE_S
+        while True:
+            try:
+                result = self._executor.run(spec, control)
+            except StoreUnavailable:
+                raise
+            except ExecutorUnavailable as exc:
+                self._on_fatal(exc)
+                return exc.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
+                                                 reason=f"interrupted: {exc}")
+            except Exception as exc:
+                full = _folder_full(exc, claim.folder)
+                if full is None:
+                    return self._hpo_error(claim, exc, start)
+                if self._waited_for_room(claim, full, pause):
+                    pause = min(2 * pause, MAX_PAUSE_S)
+                    continue
+                return full.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
+                                                  reason=f"interrupted: {full}; it runs again")
+            return result
+
+    def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
+        """Whether ``claim`` is to be run again after ``full``: its files could not be written
+        (it never started) and its slot waited ``pause_s`` for room. False where it started or
+        ended (the outage is noted, unless it is a Dask worker's own disk that ended the trial,
+        which its executor said, and so is ``full`` as the end of a trial that started, unless it
+        ended otherwise or the sweep stops: :meth:`verdict`), or once the sweep stops, the wait's
+        deadline included."""
+        started = not self._never_started(claim, None)
+        if full.result is not None or started:
+            if full.where is None or full.result is None:  # a Dask worker's own disk is no outage of the sweep's
+                self.full.failed(full)
+            ended_by_it = full.result is None or full.result.outcome is Outcome.INTERRUPTED
+            running = self.claims.get(claim.number)
+            if started and ended_by_it and running is not None and not self.stopping.is_set():
+                running.filled_disk = full
+            return False
+        try:
+            self.full.wait(claim.number, full, pause_s, self.stopping)
+        except ExecutorUnavailable as exc:
+            self._on_fatal(exc)
+        return not self.stopping.is_set()
+
+    def _hpo_error(self, claim: Claim, exc: Exception, start: float) -> TrialResult:
+        """A FAIL for ``exc``, an error of hpo's own; its traceback goes to the trial's log."""
+        claim.folder.mkdir(parents=True, exist_ok=True)
+        with (claim.folder / LOG_FILE).open("a") as log:
+            log.write(traceback.format_exc())
+        return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start,
+                           reason=f"hpo error: {type(exc).__name__}: {exc}")
+
+    def verdict(self, claim: Claim, result: TrialResult) -> TrialResult:
+        """How :meth:`settle` records ``result`` of ``claim`` (:meth:`Scheduler.verdict`, told
+        of the full disk that ended it, if one did: :meth:`_waited_for_room`)."""
+        running = self.claims.get(claim.number)
+        return self._scheduler.verdict(claim, result, None if running is None else running.filled_disk)
+
+    def _never_started(self, claim: Claim, result: TrialResult | None) -> bool:
+        """Whether ``claim`` never started: its executor did not start it, and ``result``, if
+        any, is INTERRUPTED (a Dask task still queued when the sweep stopped or its scheduler
+        went away, files that a full disk refused): it goes back to WAITING."""
+        running = self.claims.get(claim.number)
+        return (result is None or result.outcome is Outcome.INTERRUPTED) and running is not None \
+            and not running.started
+
+    def announce(self, claim: Claim, result: TrialResult) -> None:
+        """Tell the observer how ``claim`` ended (its record follows: :meth:`settle`), or how
+        the study records it if another worker judged it lost first."""
+        if self._never_started(claim, result):
+            return
+        end = self._ended_elsewhere(claim, result) or TrialEnd(claim.number, claim.params, result)
+        if self.observer:
+            self.observer.finished(end)
+
+    def _ended_elsewhere(self, claim: Claim, result: TrialResult) -> TrialEnd | None:
+        """How the study records ``claim`` if another worker ended it otherwise than ``result``
+        (judged it lost while this worker could not beat), marking it so: None while it runs,
+        or when that worker recorded ``result`` itself from the trial's folder."""
+        store = self.store
+        try:
+            row = store.rows([store.trial(claim.number)])[0]
+        except StoreUnavailable:  # it is announced as it ended here; recording it will meet the outage
+            return None
+        if not row.outcome.ended or (row.outcome, row.reason) == (result.outcome, result.reason):
+            return None
+        running = self.claims.get(claim.number)
+        if running is not None:
+            running.ended_elsewhere = True
+        return TrialEnd(claim.number, claim.params, row.result(), unrecorded=result, folder=str(claim.folder),
+                        again_as=queued_again(store.rows()).get(claim.number))
+
+    def settle(self, claim: Claim, result: TrialResult) -> None:
+        """Record how ``claim`` ended (back to WAITING if it never started; nothing if another
+        worker ended it first: :meth:`_ended_elsewhere`); a record that the stop left undone
+        (it needed the ask lock: :func:`_ends_lock_wait`) is said."""
+        if self._never_started(claim, result):
+            self.claims.release(claim)
+            return
+        running = self.claims.get(claim.number)
+        filled = None if running is None else running.filled_disk
+        try:
+            if (running is None or not running.ended_elsewhere) and not self._scheduler.settle(claim, result, filled):
+                self._say(f"trial {claim.number} was judged lost by another worker just before its "
+                          f"{result.outcome} could be recorded: the study keeps that worker's record; this "
+                          f"result stays in {claim.folder}")
+        except StoreUnavailable as exc:
+            if _ends_lock_wait(exc, self.stopping, self.store):
+                with self._lock:
+                    self._unrecorded.append(claim.number)
+                self._say(f"trial {claim.number} could not be recorded {result.outcome}: that needs the study's ask "
+                          f"lock, which the sweep stopped waiting for; it shows RUNNING until the study is resumed, "
+                          f"which records it from {claim.folder}")
+            raise
+        finally:
+            self.claims.drop(claim.number)
+        fault_point("settled", claim.number)
+
+
 class Sweep:
-    """Runs one worker's share of a study until the study's budget is spent."""
+    """Runs one worker's share of a study until the study's budget is spent: a thread per slot
+    claims trials (:class:`_Claims`) and runs each (:class:`_TrialRunner`)."""
 
     def __init__(self, config: SweepConfig, executor: Executor | None = None) -> None:
         _quiet_step_warnings()
@@ -285,19 +607,15 @@ class Sweep:
         self.scheduler = Scheduler(self.store, self._design, designs.total_trials(scenario), config.workdir,
                                    config.seed, designs.design_numbers(scenario))
         self._executor = executor or LocalExecutor()
-        self._observer: Observer | None = None
-        self._running: dict[int, _Running] = {}
-        self._ahead: dict[int, Claim] = {}  # slot index: a design's trial claimed ahead, not started yet
-        self._ahead_claims = 0  # claims ahead under way
-        self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._fatal: BaseException | None = None
         self._lock_wait_ended = False
-        self._unrecorded: list[int] = []  # trials whose end the stop kept from the store (the ask lock)
         self._gone: list[Recovered] = []  # found before the observer came
-        self._full = _FullFolders(config.workdir, scenario.resources.store_retry, self._say)
-        self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claimed, self._stop_trial,
-                                 self._found_gone)
+        self._claims = _Claims(self.store, self.scheduler, self._stopping, self._say)
+        self._trials = _TrialRunner(config, self._renderer, self.store, self.scheduler, self._claims, self._executor,
+                                    self._stopping, self._on_fatal, self._say)
+        self.watchdog = Watchdog(self.store, config.workdir, self.scheduler.worker, self._claims.numbers,
+                                 self._claims.request_end, self._found_gone)
 
     @property
     def uses_forest(self) -> bool:
@@ -333,22 +651,10 @@ class Sweep:
     def _say(self, message: str) -> None:
         print(f"hpo: {message}", flush=True)
 
-    def _claimed(self) -> list[int]:
-        """The trials this worker's slots claimed (started or not)."""
-        with self._lock:
-            return list(self._running)
-
-    def _stop_trial(self, number: int) -> None:
-        """End trial ``number`` early: a user asked for it (``hpo stop``)."""
-        with self._lock:
-            running = self._running.get(number)
-            if running is not None and running.end_request is None:
-                running.end_request = "stopped"
-
     def _found_gone(self, gone: list[Recovered]) -> None:
         """Tell the observer how the trials of gone workers were recorded (:meth:`run` tells
         it of those found before it came)."""
-        observer = self._observer
+        observer = self._trials.observer
         if observer is None:
             self._gone += gone
             return
@@ -393,8 +699,7 @@ class Sweep:
     def stop_ended(self) -> str | None:
         """How the stop left the running trials, where some could not be recorded (their end
         needed the ask lock that the stop gave up waiting for); None where all were."""
-        with self._lock:
-            unrecorded = sorted(self._unrecorded)
+        unrecorded = self._trials.unrecorded
         if not unrecorded:
             return None
         trials = ", ".join(map(str, unrecorded))
@@ -403,19 +708,13 @@ class Sweep:
                 f"{'them' if len(unrecorded) > 1 else 'it'} from the trial folder and runs it again; other running "
                 "trials were recorded INTERRUPTED and queued again; run the same command to resume")
 
-    def _ends_lock_wait(self, error: BaseException) -> bool:
-        """Whether ``error`` is a wait for the ask lock that the stop ended: once stopping, a
-        StoreUnavailable while the store answers (:func:`hpo.storage.ask_lock` gives up then)."""
-        return isinstance(error, StoreUnavailable) and self._stopping.is_set() \
-            and self.store.call.healthy_since is not None
-
     def run(self, observer: Observer | None = None) -> None:
         """Run trials on every slot until the budget is spent or :meth:`stop` is called.
 
         Call :meth:`prepare` first. Raises :class:`StoreUnavailable` if the store stayed
         down past ``resources.store_retry`` (the slots were stopped first).
         """
-        self._observer = observer
+        self._trials.observer = observer
         gone, self._gone = self._gone, []
         self._found_gone(gone)
         self.watchdog.start(self._on_fatal)
@@ -449,8 +748,8 @@ class Sweep:
 
     def _on_fatal(self, error: BaseException) -> None:
         """Stop the sweep for ``error``, which :meth:`run` raises, unless it is a wait for the
-        ask lock that the stop ended (:meth:`_ends_lock_wait`)."""
-        if self._ends_lock_wait(error):
+        ask lock that the stop ended (:func:`_ends_lock_wait`)."""
+        if _ends_lock_wait(error, self._stopping, self.store):
             self._lock_wait_ended = True
         elif self._fatal is None:
             self._fatal = error
@@ -472,202 +771,38 @@ class Sweep:
         one runs and a finished trial is settled in the background, so the slot idles only
         for a process start. Model-based methods claim after each result is settled, so
         every proposal sees every result."""
+        claims, trials = self._claims, self._trials
         books = ThreadPoolExecutor(1, thread_name_prefix=f"hpo-books-{slot.index}") if self._design else None
-        claimed = self._next_claim()
+        claimed = claims.next()
         settled: Future[None] | None = None
         try:
             while claimed is not None and not self._stopping.is_set():
-                ahead = self._submit_claim_ahead(books, slot) if books else None
-                result = self._verdict(claimed, self._execute(slot, claimed))
-                self._announce(claimed, result)  # before the next trial starts on this slot
+                ahead = claims.submit_ahead(books, slot) if books else None
+                result = trials.verdict(claimed, trials.execute(slot, claimed))
+                trials.announce(claimed, result)  # before the next trial starts on this slot
                 if ahead is None:
-                    self._settle(claimed, result)
-                    claimed = self._next_claim()
+                    trials.settle(claimed, result)
+                    claimed = claims.next()
                     continue
-                settled = books.submit(self._settle, claimed, result)
-                following = self._take_ahead(slot, ahead.result())
-                if isinstance(following, Claim) and not self._still_held(following):
+                settled = books.submit(trials.settle, claimed, result)
+                following = claims.take_ahead(slot, ahead.result())
+                if isinstance(following, Claim) and not claims.still_held(following):
                     following = None
                 if not isinstance(following, Claim) or self._stopping.is_set():
                     settled.result()
                     if isinstance(following, Claim):
-                        self._release(following)
-                    following = self._next_claim()
+                        claims.release(following)
+                    following = claims.next()
                 claimed = following
                 if settled.done():
                     settled.result()  # a failure to record stops the slot now, not after its next trial
             if claimed is not None:
-                self._release(claimed)
+                claims.release(claimed)
         finally:
             if books:
                 books.shutdown(wait=True)
         if settled is not None:
             settled.result()
-
-    def _next_claim(self) -> Claim | None:
-        """The next trial for a slot, waiting while other workers' last trials still run."""
-        while not self._stopping.is_set():
-            claimed = self._claim()
-            if isinstance(claimed, Claim):
-                return claimed
-            if claimed is None:
-                return self._take_any_ahead()
-            self._stopping.wait(CLAIM_POLL_S)
-        return None
-
-    def _submit_claim_ahead(self, books: ThreadPoolExecutor, slot: Slot) -> Future[Claim | str | None]:
-        """:meth:`_claim_ahead` on the slot's books thread, counted from now (it may wait there
-        behind the settling of the slot's last trial, which may queue a trial to run again)."""
-        with self._lock:
-            self._ahead_claims += 1
-        try:
-            return books.submit(self._claim_ahead, slot)
-        except BaseException:
-            with self._lock:
-                self._ahead_claims -= 1
-            raise
-
-    def _claim_ahead(self, slot: Slot) -> Claim | str | None:
-        """A design's next trial for ``slot``, claimed while its current trial runs; until
-        the slot takes it (:meth:`_take_ahead`), a slot that frees up with nothing left to
-        claim may take it (:meth:`_take_any_ahead`) and run it at once. Counted in
-        ``_ahead_claims`` by :meth:`_submit_claim_ahead`, until it is claimed."""
-        claimed: Claim | str | None = None
-        try:
-            claimed = self._claim()
-        finally:
-            with self._lock:
-                self._ahead_claims -= 1
-                if isinstance(claimed, Claim):
-                    self._ahead[slot.index] = claimed
-        return claimed
-
-    def _take_ahead(self, slot: Slot, claimed: Claim | str | None) -> Claim | str | None:
-        """What :meth:`_claim_ahead` returned for ``slot``: None where another slot took it."""
-        if not isinstance(claimed, Claim):
-            return claimed
-        with self._lock:
-            return self._ahead.pop(slot.index, None)
-
-    def _take_any_ahead(self) -> Claim | None:
-        """A trial that another slot claimed ahead and has not started (waiting for the claims
-        ahead under way), for a slot that found nothing left to claim; None where there is none."""
-        while True:
-            with self._lock:
-                if self._ahead:
-                    claim = self._ahead.pop(next(iter(self._ahead)))
-                    break
-                if not self._ahead_claims or self._stopping.is_set():
-                    return None
-            time.sleep(AHEAD_POLL_S)
-        return claim if self._still_held(claim) else self._take_any_ahead()
-
-    def _claim(self) -> Claim | str | None:
-        def section() -> Claim | str | None:
-            if self._stopping.is_set():
-                return None
-            with self._lock:
-                mine = set(self._running)
-            claimed = self.scheduler.claim(mine)
-            if isinstance(claimed, Claim):
-                with self._lock:
-                    self._running[claimed.number] = _Running(claimed)
-            return claimed
-
-        return self.store.locked(section)
-
-    def _release(self, claim: Claim) -> None:
-        try:
-            self.scheduler.release(claim)
-        finally:
-            with self._lock:
-                self._running.pop(claim.number, None)
-
-    def spec(self, slot: Slot, claim: Claim) -> TrialSpec:
-        """Everything the executor needs to run ``claim`` on ``slot``."""
-        scenario = self._scenario
-        argv = build_argv(scenario, claim.params, slot.processes, uses_torchrun(scenario.resources, slot), claim.seed)
-        post = this_python(scenario.objective.post_process) if scenario.objective.post_process else []
-        files = self._renderer.files(claim.number, claim.folder, claim.params, argv, claim.seed, post)
-        env = {**scenario.env, "HPO_TRIAL_NUMBER": str(claim.number)}
-        return TrialSpec(claim.number, claim.params, claim.folder, files, tuple(argv), env, slot, claim.token,
-                         scenario.resources.timeout, scenario.objective)
-
-    def _execute(self, slot: Slot, claim: Claim) -> TrialResult:
-        """Build and run one trial; any error of hpo's own becomes a FAIL with its reason, and
-        a full disk under its folder is waited out (the module docstring)."""
-        start = time.monotonic()
-        try:
-            spec = self.spec(slot, claim)
-        except InputError as exc:  # its templates do not render for these values: the folder says why
-            result = TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start, reason=str(exc))
-            try:
-                with folder_writes(claim.folder / LOG_FILE):
-                    claim.folder.mkdir(parents=True, exist_ok=True)
-                    (claim.folder / LOG_FILE).write_text(f"hpo: {exc}\n")
-                return save_result(claim.folder, claim.number, result)
-            except FolderFull as full:  # the store records why all the same
-                self._full.failed(full)
-                return result
-        control = _Control(self, claim, slot)
-        try:
-            return self._run_waiting_for_room(claim, spec, control, start)
-        finally:
-            self._full.done(claim.number)
-
-    def _run_waiting_for_room(self, claim: Claim, spec: TrialSpec, control: _Control, start: float) -> TrialResult:
-        """Run ``claim`` on its executor, its files tried again while a full disk refuses them."""
-        pause = FIRST_PAUSE_S
-        while True:
-            try:
-                result = self._executor.run(spec, control)
-            except StoreUnavailable:
-                raise
-            except ExecutorUnavailable as exc:
-                self._on_fatal(exc)
-                return exc.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
-                                                 reason=f"interrupted: {exc}")
-            except Exception as exc:
-                full = _folder_full(exc, claim.folder)
-                if full is None:
-                    return self._hpo_error(claim, exc, start)
-                if self._waited_for_room(claim, full, pause):
-                    pause = min(2 * pause, MAX_PAUSE_S)
-                    continue
-                return full.result or TrialResult(Outcome.INTERRUPTED, duration_s=time.monotonic() - start,
-                                                  reason=f"interrupted: {full}; it runs again")
-            return result
-
-    def _waited_for_room(self, claim: Claim, full: FolderFull, pause_s: float) -> bool:
-        """Whether ``claim`` is to be run again after ``full``: its files could not be written
-        (it never started) and its slot waited ``pause_s`` for room. False where it started or
-        ended (the outage is noted, unless it is a Dask worker's own disk that ended the trial,
-        which its executor said, and so is ``full`` as the end of a trial that started, unless it
-        ended otherwise or the sweep stops: :meth:`_verdict`), or once the sweep stops, the wait's
-        deadline included."""
-        started = not self._never_started(claim, None)
-        if full.result is not None or started:
-            if full.where is None or full.result is None:  # a Dask worker's own disk is no outage of the sweep's
-                self._full.failed(full)
-            ended_by_it = full.result is None or full.result.outcome is Outcome.INTERRUPTED
-            with self._lock:
-                running = self._running.get(claim.number)
-                if started and ended_by_it and running is not None and not self._stopping.is_set():
-                    running.filled_disk = full
-            return False
-        try:
-            self._full.wait(claim.number, full, pause_s, self._stopping)
-        except ExecutorUnavailable as exc:
-            self._on_fatal(exc)
-        return not self._stopping.is_set()
-
-    def _hpo_error(self, claim: Claim, exc: Exception, start: float) -> TrialResult:
-        """A FAIL for ``exc``, an error of hpo's own; its traceback goes to the trial's log."""
-        claim.folder.mkdir(parents=True, exist_ok=True)
-        with (claim.folder / LOG_FILE).open("a") as log:
-            log.write(traceback.format_exc())
-        return TrialResult(Outcome.FAIL, duration_s=time.monotonic() - start,
-                           reason=f"hpo error: {type(exc).__name__}: {exc}")
 
     def rerun(self, number: int, seed: int | None = None) -> tuple[TrialRow, TrialResult]:
         """Run trial ``number``'s configuration again as a new trial on the first slot
@@ -683,14 +818,14 @@ class Sweep:
                              "space as it is: rerun a trial run since the change")
         default_seed = recorded_seed(Path(original.folder), lambda: self.scheduler.seed_of(number))
         claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed, default_seed))
-        with self._lock:
-            self._running[claim.number] = _Running(claim)
+        self._claims.hold(claim)
         self.watchdog.start(self._on_fatal)
+        trials = self._trials
         try:
-            result = self._verdict(claim, self._execute(self.config.slots[0], claim))
-            self._announce(claim, result)
+            result = trials.verdict(claim, trials.execute(self.config.slots[0], claim))
+            trials.announce(claim, result)
             try:
-                self._settle(claim, result)
+                trials.settle(claim, result)
             except StoreUnavailable as exc:  # as a sweep's slot's: raised below unless the stop ended a lock wait
                 self._on_fatal(exc)
         finally:
@@ -698,88 +833,6 @@ class Sweep:
         if self._fatal is not None:
             raise self._fatal
         return store.rows([store.trial(claim.number)])[0], result
-
-    def _verdict(self, claim: Claim, result: TrialResult) -> TrialResult:
-        """How :meth:`_settle` records ``result`` of ``claim`` (:meth:`Scheduler.verdict`, told
-        of the full disk that ended it, if one did: :meth:`_waited_for_room`)."""
-        with self._lock:
-            running = self._running.get(claim.number)
-        return self.scheduler.verdict(claim, result, None if running is None else running.filled_disk)
-
-    def _never_started(self, claim: Claim, result: TrialResult | None) -> bool:
-        """Whether ``claim`` never started: its executor did not start it, and ``result``, if
-        any, is INTERRUPTED (a Dask task still queued when the sweep stopped or its scheduler
-        went away, files that a full disk refused): it goes back to WAITING."""
-        with self._lock:
-            running = self._running.get(claim.number)
-        return (result is None or result.outcome is Outcome.INTERRUPTED) and running is not None \
-            and not running.started
-
-    def _still_held(self, claim: Claim) -> bool:
-        """Whether ``claim``, made while the slot's last trial ran, is still this worker's; if
-        another worker found this one gone meanwhile and took it back, it is dropped."""
-        if self.scheduler.holds(claim):
-            return True
-        with self._lock:
-            self._running.pop(claim.number, None)
-        self._say(f"trial {claim.number} was taken back by another worker before it started here "
-                  "(this worker had not beaten its heartbeat in time): not run here")
-        return False
-
-    def _announce(self, claim: Claim, result: TrialResult) -> None:
-        """Tell the observer how ``claim`` ended (its record follows: :meth:`_settle`), or how
-        the study records it if another worker judged it lost first."""
-        if self._never_started(claim, result):
-            return
-        end = self._ended_elsewhere(claim, result) or TrialEnd(claim.number, claim.params, result)
-        if self._observer:
-            self._observer.finished(end)
-
-    def _ended_elsewhere(self, claim: Claim, result: TrialResult) -> TrialEnd | None:
-        """How the study records ``claim`` if another worker ended it otherwise than ``result``
-        (judged it lost while this worker could not beat), marking it so: None while it runs,
-        or when that worker recorded ``result`` itself from the trial's folder."""
-        store = self.store
-        try:
-            row = store.rows([store.trial(claim.number)])[0]
-        except StoreUnavailable:  # it is announced as it ended here; recording it will meet the outage
-            return None
-        if not row.outcome.ended or (row.outcome, row.reason) == (result.outcome, result.reason):
-            return None
-        with self._lock:
-            running = self._running.get(claim.number)
-            if running is not None:
-                running.ended_elsewhere = True
-        return TrialEnd(claim.number, claim.params, row.result(), unrecorded=result, folder=str(claim.folder),
-                        again_as=queued_again(store.rows()).get(claim.number))
-
-    def _settle(self, claim: Claim, result: TrialResult) -> None:
-        """Record how ``claim`` ended (back to WAITING if it never started; nothing if another
-        worker ended it first: :meth:`_ended_elsewhere`); a record that the stop left undone
-        (it needed the ask lock: :meth:`_ends_lock_wait`) is said."""
-        if self._never_started(claim, result):
-            self._release(claim)
-            return
-        with self._lock:
-            running = self._running.get(claim.number)
-        filled = None if running is None else running.filled_disk
-        try:
-            if (running is None or not running.ended_elsewhere) and not self.scheduler.settle(claim, result, filled):
-                self._say(f"trial {claim.number} was judged lost by another worker just before its "
-                          f"{result.outcome} could be recorded: the study keeps that worker's record; this "
-                          f"result stays in {claim.folder}")
-        except StoreUnavailable as exc:
-            if self._ends_lock_wait(exc):
-                with self._lock:
-                    self._unrecorded.append(claim.number)
-                self._say(f"trial {claim.number} could not be recorded {result.outcome}: that needs the study's ask "
-                          f"lock, which the sweep stopped waiting for; it shows RUNNING until the study is resumed, "
-                          f"which records it from {claim.folder}")
-            raise
-        finally:
-            with self._lock:
-                self._running.pop(claim.number, None)
-        fault_point("settled", claim.number)
 
 
 def _folder_full(exc: Exception, folder: Path) -> FolderFull | None:
@@ -796,44 +849,40 @@ class _Control(TrialControl):
     """The sweep's side of one running trial (see :class:`hpo.executor.TrialControl`); the
     observer hears of its start once its process runs (:class:`hpo.executor.HeldStart`)."""
 
-    def __init__(self, sweep: Sweep, claim: Claim, slot: Slot) -> None:
-        self._sweep = sweep
+    def __init__(self, trials: _TrialRunner, claim: Claim, slot: Slot) -> None:
+        self._trials = trials
         self._claim = claim
         self._slot = slot
-        self._pruning = sweep.config.scenario.search.pruner != "none" and claim.prunable
+        self._pruning = trials.scenario.search.pruner != "none" and claim.prunable
         self._pruned = False
         self._start = HeldStart(self._announce)
 
-    def _running(self) -> _Running | None:
-        with self._sweep._lock:
-            return self._sweep._running.get(self._claim.number)
-
     def started(self, slot: Slot) -> None:
-        claim = self._claim
-        parameters = self._sweep._scenario.parameters
+        claim, trials = self._claim, self._trials
+        parameters = trials.scenario.parameters
         constants = {name: value for name, value in claim.params.items()
                      if name in parameters and parameters[name].type == "constant"}
         where = slot.describe()
-        self._sweep.store.set_system(claim.number, SYS_STARTED, {
+        trials.store.set_system(claim.number, SYS_STARTED, {
             "slot": self._slot.index, "gpus": ",".join(map(str, slot.gpus)), "where": where, "folder": str(claim.folder),
             "pid": os.getpid(), "at": time.time(), "constants": constants})
-        running = self._running()
+        running = trials.claims.get(claim.number)
         if running is not None:
             running.started = True
-        self._sweep._full.written(claim.number)  # its files were
+        trials.full.written(claim.number)  # its files were
         self._start.hold(TrialStart(claim.number, claim.params, self._slot.index, where,
                                     claim.folder, claim.repeat_of))
         fault_point("started", claim.number)
 
     def _announce(self, start: TrialStart) -> None:
-        if self._sweep._observer:
-            self._sweep._observer.started(start)
+        if self._trials.observer:
+            self._trials.observer.started(start)
 
     def intermediate(self, step: int, value: float) -> bool:
         """Report ``value`` at ``step`` and ask the pruner; once it said prune, report nothing
         more and answer True (:meth:`record` tells the start held)."""
         self.record(step, value)
-        self._pruned = self._pruned or (self._pruning and bool(self._sweep.store.call(self._claim.trial.should_prune)))
+        self._pruned = self._pruned or (self._pruning and bool(self._trials.store.call(self._claim.trial.should_prune)))
         return self._pruned
 
     def record(self, step: int, value: float) -> None:
@@ -841,11 +890,11 @@ class _Control(TrialControl):
         without asking the pruner; nothing once it said prune."""
         self._start.release()
         if not self._pruned:
-            self._sweep.store.call(self._claim.trial.report, value, step)
+            self._trials.store.call(self._claim.trial.report, value, step)
 
     def end_request(self) -> str | None:
         self._start.release()
-        if self._sweep._stopping.is_set():
+        if self._trials.stopping.is_set():
             return "interrupted"
-        running = self._running()
+        running = self._trials.claims.get(self._claim.number)
         return running.end_request if running is not None else None
