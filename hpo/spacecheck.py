@@ -20,14 +20,17 @@ says.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from hpo import designs, space
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
+    from optuna.trial import FrozenTrial
 
     from hpo.rows import TrialRow
     from hpo.scenario import Param, Scenario
@@ -166,3 +169,48 @@ def _same(param: Param, now: Any, ran: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def resume_refusal(scenario: Scenario, trials: Iterable[FrozenTrial], recorded: Callable[[], Described | None],
+                   rows: Callable[[], list[TrialRow]], allow_space_change: bool = False) -> str | None:
+    """Why the scenario may not resume a study whose trials are ``trials`` (in one line, naming
+    the field and what to do), or None: a change the study cannot store (:func:`stored_change`)
+    always, another unsound one (:func:`space_change` from the parameters ``recorded()`` on the
+    study) unless ``allow_space_change``, a design point its trials (``rows()``) ran from and the
+    scenario now gives otherwise (:func:`design_change`) always. ``recorded`` and ``rows`` are
+    read only where needed."""
+    stored: dict[str, BaseDistribution] = {}
+    for trial in trials:
+        for name, distribution in trial.distributions.items():
+            stored.setdefault(name, distribution)
+    problem = stored_change(stored, scenario.parameters)
+    if problem is not None:
+        return (f"{problem}: the study {scenario.name} stored its trials with the old distribution, which an Optuna "
+                "study cannot change; use another name for a new study (--allow-space-change cannot override this)"
+                f"{_read_otherwise(stored, scenario)}")
+    before = recorded()
+    change = None if before is None or allow_space_change else space_change(before, space.describe(scenario.parameters))
+    if change is not None:
+        return (f"{change}: the study {scenario.name} was run in another search space (resume with "
+                "--allow-space-change to accept it, or use a new name)")
+    return design_change(scenario, rows()) if scenario.search.method in INDEXED_DESIGNS else None
+
+
+def _read_otherwise(stored: Mapping[str, BaseDistribution], scenario: Scenario) -> str:
+    """``; ...`` where a categorical's choices differ from those its trials stored only as YAML
+    1.1 and 1.2 read them (``[yes, no]`` was true and false before hpo read parameters as YAML
+    1.2 does), with the choices to write to resume the study; else ''."""
+    from optuna.distributions import CategoricalDistribution
+
+    from hpo.scenario import yaml_text
+
+    for name, distribution in stored.items():
+        param = scenario.parameters.get(name)
+        if not isinstance(distribution, CategoricalDistribution) or param is None \
+                or param.choices is None or set(param.choices) == set(distribution.choices):
+            continue
+        as_before = {yaml.safe_load(choice) if isinstance(choice, str) else choice for choice in param.choices}
+        if as_before == set(distribution.choices):
+            return (f"; hpo now reads parameters as YAML 1.2 does ({name}'s choices {', '.join(map(str, param.choices))} "
+                    f"are text): write {yaml_text(list(distribution.choices))} to resume the study")
+    return ""

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import optuna
-import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import rowcache, space
@@ -39,8 +38,8 @@ from hpo.files import utf8_text
 from hpo.outcome import Outcome, TrialResult
 from hpo.results import RESERVED_ATTRS
 from hpo.rows import TrialRow, presented
-from hpo.scenario import Scenario, yaml_text
-from hpo.spacecheck import INDEXED_DESIGNS, design_change, space_change, stored_change
+from hpo.scenario import Scenario
+from hpo.spacecheck import resume_refusal
 from hpo.storage import LockLost, NoStudy, Retrying, ask_lock, local_path, open_storage, reach
 
 ATTR_OUTCOME, ATTR_REASON, ATTR_DURATION, ATTR_FOLDER = "outcome", "reason", "duration_s", "folder"
@@ -65,6 +64,56 @@ class _Holder(NamedTuple):
     thread: int
     held: Callable[[], bool]
     claimed: list[int]
+
+
+class _AskLock:
+    """The study-wide ask lock (:func:`hpo.storage.ask_lock`) as one store holds it: which
+    thread holds it, whether the lock is still its, and the trials claimed under it.
+
+    Args:
+        url: the storage URL.
+        on_outage: receives a line when the lock is long in coming.
+    """
+
+    def __init__(self, url: str, on_outage: Callable[[str], None]) -> None:
+        self._url = url
+        self._on_outage = on_outage
+        self._holder: _Holder | None = None
+        self.scope = ""  # the whole store's lock while its tables may be made, then the study's
+
+    @contextlib.contextmanager
+    def held(self, call: Retrying, claimed: list[int]) -> Iterator[None]:
+        """Hold the lock, taken through an outage by ``call``; the numbers of the trials claimed
+        under it (:meth:`note_claim`) are appended to ``claimed``."""
+        def enter() -> Any:
+            context = ask_lock(self._url, self._on_outage, call.gave_up, self.scope)
+            return context, context.__enter__()
+
+        context, held = call(enter)
+        outer, self._holder = self._holder, _Holder(threading.get_ident(), held, claimed)
+        try:
+            yield
+        finally:
+            self._holder = outer
+            context.__exit__(None, None, None)
+
+    def mine(self) -> _Holder | None:
+        """The lock's holder if it is this thread (as far as it knows: see :meth:`check`), else None."""
+        holder = self._holder
+        return holder if holder is not None and holder.thread == threading.get_ident() else None
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` in the thread that holds the lock if it is lost."""
+        holder = self.mine()
+        if holder is not None and not holder.held():
+            raise LockLost("the ask lock was lost in an outage")
+
+    def note_claim(self, number: int) -> None:
+        """Note a trial claimed by the thread that holds the lock: :meth:`StudyStore.locked`
+        puts it back in the queue if the lock turns out lost before its section ends."""
+        holder = self.mine()
+        if holder is not None:
+            holder.claimed.append(number)
 
 
 def result_attrs(result: TrialResult, folder: Path | str) -> dict[str, Any]:
@@ -172,10 +221,9 @@ class StudyStore:
         self.scenario = scenario
         self.url = url
         self._on_outage = on_outage or (lambda message: logging.getLogger("hpo.store").warning("%s", message))
-        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._check_lock,
+        self._ask_lock = _AskLock(url, self._on_outage)
+        self.call = Retrying(url, scenario.resources.store_retry, self._on_outage, before_attempt=self._ask_lock.check,
                              full_disk_waits=not reader)
-        self._holder: _Holder | None = None
-        self._lock_scope = ""  # the whole store's lock while its tables may be made, then the study's
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
         self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
@@ -195,7 +243,7 @@ class StudyStore:
             self.locked(open_study)
         else:  # a reader does not wait for a worker that holds the lock (one stopped with SIGSTOP holds it on)
             open_study()
-        self._lock_scope = scenario.name
+        self._ask_lock.scope = scenario.name
         if not create:
             try:
                 self.study = self.call(optuna.load_study, study_name=scenario.name, storage=self._storage,
@@ -221,17 +269,8 @@ class StudyStore:
         A store call under it raises :class:`LockLost` instead of running when the lock was
         lost meanwhile; :meth:`locked` runs a section again then. The numbers of the trials
         claimed under it are appended to ``claimed``."""
-        def enter() -> Any:
-            context = ask_lock(self.url, self._on_outage, self.call.gave_up, self._lock_scope)
-            return context, context.__enter__()
-
-        context, held = self.call(enter)
-        outer, self._holder = self._holder, _Holder(threading.get_ident(), held, [] if claimed is None else claimed)
-        try:
+        with self._ask_lock.held(self.call, [] if claimed is None else claimed):
             yield
-        finally:
-            self._holder = outer
-            context.__exit__(None, None, None)
 
     def locked(self, section: Callable[[], T]) -> T:
         """``section()`` under the ask lock; when the lock was lost in an outage (another
@@ -249,12 +288,6 @@ class StudyStore:
                 for number in claimed:  # never started: back in the queue for whoever is next
                     self.back_to_waiting(number)
 
-    def _check_lock(self) -> None:
-        """Raise :class:`LockLost` in the thread that holds the ask lock if it is lost."""
-        holder = self._my_holder()
-        if holder is not None and not holder.held():
-            raise LockLost("the ask lock was lost in an outage")
-
     @property
     def optuna_storage(self) -> optuna.storages.BaseStorage:
         """The Optuna storage itself, for Optuna's own tools (optuna-dashboard)."""
@@ -271,33 +304,11 @@ class StudyStore:
 
     def check_space(self, allow_space_change: bool = False) -> None:
         """Raise InputError, writing nothing, unless the scenario's space and design may resume
-        the study: a change the study cannot store (:func:`hpo.spacecheck.stored_change`) is
-        refused always, another unsound one (:func:`hpo.spacecheck.space_change`) unless
-        ``allow_space_change``, a design point its trials ran from and the scenario now gives
-        otherwise (:func:`hpo.spacecheck.design_change`) always."""
-        self._check_stored()
-        recorded = self.user_attrs.get(STUDY_PARAMETERS)
-        change = None if recorded is None or allow_space_change else \
-            space_change(recorded, space.describe(self.scenario.parameters))
-        if change is not None:
-            raise InputError(f"{change}: the study {self.scenario.name} was run in another search space "
-                             "(resume with --allow-space-change to accept it, or use a new name)")
-        edited = design_change(self.scenario, self.rows()) if self.scenario.search.method in INDEXED_DESIGNS else None
-        if edited is not None:  # the rows are read only where a design is compared with them
-            raise InputError(edited)
-
-    def _check_stored(self) -> None:
-        """Raise InputError if a parameter's distribution differs from the one the study's
-        trials hold in a way no Optuna study can store."""
-        stored: dict[str, optuna.distributions.BaseDistribution] = {}
-        for trial in self.trials():
-            for name, distribution in trial.distributions.items():
-                stored.setdefault(name, distribution)
-        problem = stored_change(stored, self.scenario.parameters)
+        the study (:func:`hpo.spacecheck.resume_refusal`)."""
+        problem = resume_refusal(self.scenario, self.trials(), lambda: self.user_attrs.get(STUDY_PARAMETERS),
+                                 self.rows, allow_space_change)
         if problem is not None:
-            raise InputError(f"{problem}: the study {self.scenario.name} stored its trials with the old distribution, "
-                             "which an Optuna study cannot change; use another name for a new study "
-                             f"(--allow-space-change cannot override this){_read_otherwise(stored, self.scenario)}")
+            raise InputError(problem)
 
     def describe(self, scenario_text: str, allow_space_change: bool = False) -> None:
         """Record the metric name, held-out metrics, parameters and scenario on the study,
@@ -376,19 +387,7 @@ class StudyStore:
                 return False
             return True
 
-        if at_least > 0 and not exists(at_least - 1):
-            return 0
-        low, step = at_least, 1
-        while exists(low + step - 1):
-            low, step = low + step, step * 2
-        high = low + step - 1
-        while low < high:
-            middle = (low + high) // 2
-            if exists(middle):
-                low = middle + 1
-            else:
-                high = middle
-        return low
+        return _count(exists, at_least)
 
     def constants(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with the scenario's constants that apply to them added."""
@@ -421,7 +420,7 @@ class StudyStore:
             if waiting:
                 with contextlib.suppress(InputError):
                     return self.claim_waiting(waiting[0])
-            self._check_lock()
+            self._ask_lock.check()
             raise RuntimeError("the queued trial was taken while this worker held the ask lock")
         running = self._numbers(TrialState.RUNNING)
 
@@ -430,7 +429,7 @@ class StudyStore:
                          for number in sorted(self._numbers(TrialState.RUNNING, retried=False) - running)), None)
 
         trial = self._once(self.study.ask, landed)
-        self._claimed_under_lock(trial.number)
+        self._ask_lock.note_claim(trial.number)
         return trial
 
     def claim_waiting(self, number: int) -> optuna.Trial:
@@ -440,7 +439,7 @@ class StudyStore:
         trial_id = self._id(number)
 
         def landed() -> bool | None:
-            if self._my_holder() is None:
+            if self._ask_lock.mine() is None:
                 return None
             state = self._storage.get_trial(trial_id).state  # read once: this runs inside a retried call
             return True if state == TrialState.RUNNING else None
@@ -451,21 +450,8 @@ class StudyStore:
             claimed = False
         if not claimed:
             raise InputError(f"trial {number}: someone else claimed it first")
-        self._claimed_under_lock(number)
+        self._ask_lock.note_claim(number)
         return self.call(optuna.trial.Trial, self.study, trial_id)  # its constructor reads the trial
-
-    def _claimed_under_lock(self, number: int) -> None:
-        """Note a trial claimed by the thread that holds the lock: :meth:`locked` puts it back
-        in the queue if the lock turns out lost before the section ends."""
-        holder = self._my_holder()
-        if holder is not None:
-            holder.claimed.append(number)
-
-    def _my_holder(self) -> _Holder | None:
-        """The ask lock's holder if it is this thread (as far as it knows: see
-        :meth:`_check_lock`), else None."""
-        holder = self._holder
-        return holder if holder is not None and holder.thread == threading.get_ident() else None
 
     def enqueue(self, params: Mapping[str, Any], attrs: Mapping[str, Any]) -> None:
         """Queue a WAITING trial with fixed ``params`` and user ``attrs`` (call under the lock),
@@ -591,6 +577,25 @@ class StudyStore:
         return trial
 
 
+def _count(exists: Callable[[int], bool], at_least: int) -> int:
+    """The first number ``n`` for which ``exists(n)`` is False, where it is True for every number
+    below ``n`` and False for every one above (0 if ``exists(at_least - 1)`` is False): a doubling
+    search from ``at_least``, then a bisection, in O(log n) calls."""
+    if at_least > 0 and not exists(at_least - 1):
+        return 0
+    low, step = at_least, 1
+    while exists(low + step - 1):
+        low, step = low + step, step * 2
+    high = low + step - 1
+    while low < high:
+        middle = (low + high) // 2
+        if exists(middle):
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
 def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False) -> str | None:
     """Raise InputError where resuming the scenario's study at ``url`` would be refused
     (objective direction or metric, search space: :meth:`StudyStore.check_space`), reading
@@ -611,18 +616,3 @@ def scenario_text(path: Path) -> str:
     except (OSError, InputError):
         return json.dumps({"path": str(path)})
 
-
-def _read_otherwise(stored: Mapping[str, optuna.distributions.BaseDistribution], scenario: Scenario) -> str:
-    """``; ...`` where a categorical's choices differ from those its trials stored only as YAML
-    1.1 and 1.2 read them (``[yes, no]`` was true and false before hpo read parameters as YAML
-    1.2 does), with the choices to write to resume the study; else ''."""
-    for name, distribution in stored.items():
-        param = scenario.parameters.get(name)
-        if not isinstance(distribution, optuna.distributions.CategoricalDistribution) or param is None \
-                or param.choices is None or set(param.choices) == set(distribution.choices):
-            continue
-        as_before = {yaml.safe_load(choice) if isinstance(choice, str) else choice for choice in param.choices}
-        if as_before == set(distribution.choices):
-            return (f"; hpo now reads parameters as YAML 1.2 does ({name}'s choices {', '.join(map(str, param.choices))} "
-                    f"are text): write {yaml_text(list(distribution.choices))} to resume the study")
-    return ""

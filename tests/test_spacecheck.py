@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from hpo.scenario import Param
+from hpo.scenario import Param, load_scenario
 from hpo.space import describe, distributions
-from hpo.spacecheck import space_change, stored_change
+from hpo.spacecheck import resume_refusal, space_change, stored_change
 
 BASE: dict[str, dict[str, Any]] = {
     "hidden": {"type": "int", "low": 16, "high": 256, "log": True},
@@ -96,6 +96,34 @@ def test_stored_change_leaves_parameters_no_trial_holds_to_space_change() -> Non
 def test_removing_a_choice_no_longer_says_adding_one_is_allowed() -> None:
     found = space_change(space(), space(optimizer={"type": "categorical", "choices": ["adam"]}))
     assert found == "parameters.optimizer: choice 'sgd' was removed"
+
+
+def test_resume_refusal_says_what_cannot_be_stored_first_and_reads_only_what_it_needs(
+        tmp_path: Path, write_scenario: Callable[..., Path]) -> None:
+    import optuna
+
+    scenario = load_scenario(write_scenario(tmp_path))  # x in [0, 1], opt in [a, b]
+    ran = optuna.trial.create_trial(params={"opt": "a"}, value=0.5,
+                                    distributions={"opt": optuna.distributions.CategoricalDistribution(["a", "c"])})
+    read: list[str] = []
+
+    def recorded() -> dict[str, Any]:
+        read.append("recorded")
+        return describe({**scenario.parameters, "x": Param(type="float", low=0.0, high=2.0)})
+
+    def rows() -> list[Any]:
+        read.append("rows")
+        return []
+
+    stored = resume_refusal(scenario, [ran], recorded, rows, allow_space_change=True)
+    assert stored is not None and stored.startswith("parameters.opt: choices changed from ['a', 'c'] to ['a', 'b']: ")
+    assert stored.endswith("(--allow-space-change cannot override this)") and read == []
+    assert resume_refusal(scenario, [], recorded, rows) == (
+        "parameters.x: the range [0, 2] was narrowed to [0, 1] (widening is allowed): the study demo was run in another "
+        "search space (resume with --allow-space-change to accept it, or use a new name)")
+    assert read == ["recorded"]  # a Monte Carlo design's rows are not compared
+    assert resume_refusal(scenario, [], recorded, rows, allow_space_change=True) is None
+    assert resume_refusal(scenario, [], lambda: None, rows) is None  # nothing recorded yet: a new study
 
 
 @pytest.mark.parametrize("method", ["monte_carlo", "tpe"])

@@ -18,7 +18,7 @@ from hpo.outcome import Outcome, TrialResult
 from hpo.rows import TrialRow, best_row, repeat_of
 from hpo.scenario import Scenario, load_scenario
 from hpo.storage import local_path, open_storage
-from hpo.store import SYS_STARTED, StudyStore, check_resume, read_row, result_attrs
+from hpo.store import SYS_STARTED, StudyStore, _count, check_resume, read_row, result_attrs
 
 WriteScenario = Callable[..., Path]
 DIST = {"x": FloatDistribution(0.0, 1.0)}
@@ -479,3 +479,18 @@ def test_a_completed_trial_keeps_its_note_apart_from_the_reason() -> None:
         trial = create_trial(value=0.2, params={}, distributions={}, user_attrs={k: v for k, v in user.items() if v is not None})
         row = read_row(trial)
         assert (row.reason, row.note) == ("", "held-out test_error was nan: not recorded")
+
+
+@pytest.mark.parametrize("trials", [0, 1, 2, 7, 8, 9, 500])
+@pytest.mark.parametrize("known", [0, 1, 5, 8, 9, 600])
+def test_counting_trials_probes_from_the_highest_known_in_few_reads(trials: int, known: int) -> None:
+    """A study's trials are numbered 0..n-1: the count is found from ``known`` (one past the highest
+    number a cache holds) by doubling then bisecting, in O(log n) reads of single trials."""
+    probed: list[int] = []
+
+    def exists(number: int) -> bool:
+        probed.append(number)
+        return number < trials
+
+    assert _count(exists, known) == (0 if known > trials else trials)
+    assert len(probed) <= 2 * max(trials - known, 1).bit_length() + 2
