@@ -729,6 +729,54 @@ class _Watch:
             self.refresh()
 
 
+class _Leftovers:
+    """The Variables and Events that trials leave on the Dask scheduler, dropped as each trial
+    ends (when the scheduler is there): its end Variable only after ``LOST_GRACE_S`` where the
+    sweep cancelled its task, as a worker that runs it reads there what the sweep asked
+    (:meth:`_Courier.end_request`)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
+
+    def forget(self, token: str, keys: Sequence[str], later: bool = False) -> None:
+        """Drop trial ``token``'s Variable (``later`` where its task was cancelled) and the
+        Events of its tasks ``keys``, and the Variables of earlier trials now due."""
+        if self._client.status != "running":
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._later.append((now + LOST_GRACE_S if later else now, _end_variable(token)))
+            due = [name for at, name in self._later if at <= now]
+            self._later = [(at, name) for at, name in self._later if at > now]
+        self._drop_variables(due)
+        for key in keys:
+            self.drop_event(_start_event(key))
+        self.drop_event(_asked_event(token))
+
+    def drop_all(self) -> None:
+        """Drop the Variables still kept for later, now (the sweep ends)."""
+        with self._lock:
+            later, self._later = [name for _, name in self._later], []
+        self._drop_variables(later)
+
+    def _drop_variables(self, names: Sequence[str]) -> None:
+        """Delete the Variables ``names`` on the scheduler (when it is there)."""
+        for name in names:
+            try:
+                Variable(name, client=self._client).delete()
+            except Exception:  # the scheduler went away meanwhile: nothing is left to drop
+                logger.debug("cannot drop the Variable %s", name, exc_info=True)
+
+    def drop_event(self, name: str) -> None:
+        """Drop the Event ``name`` on the scheduler (when it is there)."""
+        try:
+            Event(name, client=self._client).clear()
+        except Exception:  # the scheduler went away meanwhile: nothing is left to drop
+            logger.debug("cannot drop the Event %s", name, exc_info=True)
+
+
 class DaskExecutor:
     """Runs each trial as a task on a Dask cluster (see the module docstring).
 
@@ -787,7 +835,7 @@ class DaskExecutor:
         self._grows = True  # whether the slots planned grow (False: fixed shares of hpo run --workers)
         self._room_told = 0  # the most trials at once said, where the slots do not grow
         self._full = _FullWorkers(say)
-        self._later: list[tuple[float, str]] = []  # (when, name): Variables to drop then
+        self._leftovers = _Leftovers(client)
         self._subscribe()
         self.watch = _Watch(client, self.address, scheduler_lost_s, say, self._on_workers, self._subscribe)
 
@@ -941,7 +989,7 @@ class DaskExecutor:
             with self._lock:
                 self._events.pop(spec.token, None)
                 self._queued.pop(spec.token, None)
-            self._forget(spec.token, keys, later=following is not None and following.cancelled)
+            self._leftovers.forget(spec.token, keys, later=following is not None and following.cancelled)
             (spec.folder / MARKER).unlink(missing_ok=True)
 
     def _submitting(self, call: Callable[..., Any], *args: Any) -> Any:
@@ -1005,40 +1053,6 @@ class DaskExecutor:
         except Exception:  # the scheduler is gone: the trial's end is judged without it
             logger.debug("cannot ask for %s", request, exc_info=True)
 
-    def _forget(self, token: str, keys: Sequence[str], later: bool = False) -> None:
-        """Drop the trial's Variable and Events on the scheduler (when it is there); its
-        Variable ``later`` (after ``LOST_GRACE_S``) where the sweep cancelled its task: a
-        worker that runs it reads there what the sweep asked (:meth:`_Courier.end_request`)."""
-        if self.client.status != "running":
-            return
-        now = time.monotonic()
-        with self._lock:
-            if later:
-                self._later.append((now + LOST_GRACE_S, _end_variable(token)))
-            else:
-                self._later.append((now, _end_variable(token)))
-            due = [name for at, name in self._later if at <= now]
-            self._later = [(at, name) for at, name in self._later if at > now]
-        self._drop_variables(due)
-        for key in keys:
-            self._forget_event(_start_event(key))
-        self._forget_event(_asked_event(token))
-
-    def _drop_variables(self, names: Sequence[str]) -> None:
-        """Delete the Variables ``names`` on the scheduler (when it is there)."""
-        for name in names:
-            try:
-                Variable(name, client=self.client).delete()
-            except Exception:  # the scheduler went away meanwhile: nothing is left to drop
-                logger.debug("cannot drop the Variable %s", name, exc_info=True)
-
-    def _forget_event(self, name: str) -> None:
-        """Drop the Event ``name`` on the scheduler (when it is there)."""
-        try:
-            Event(name, client=self.client).clear()
-        except Exception:  # the scheduler went away meanwhile: nothing is left to drop
-            logger.debug("cannot drop the Event %s", name, exc_info=True)
-
     def stopping(self) -> None:
         """The sweep stops: once this returns, no task of this executor starts its trial."""
         with self._stopping_lock:
@@ -1063,12 +1077,10 @@ class DaskExecutor:
                 left = list(self._events)
             for token in left:
                 self.request(token, "interrupted")
-            with self._lock:
-                later, self._later = [name for _, name in self._later], []
-            self._drop_variables(later)
+            self._leftovers.drop_all()
             self.client.unsubscribe_topic(self.options.topic)
             if self._stopping:
-                self._forget_event(_stopping_event(self.options.topic))
+                self._leftovers.drop_event(_stopping_event(self.options.topic))
         self.client.close()
         distributed = logging.getLogger("distributed")
         level = distributed.level

@@ -23,8 +23,9 @@ import optuna
 import psutil
 import pytest
 from conftest import WriteScenario, cli_env, run_hpo, run_hpo_process
-from distributed import Client
+from distributed import Client, Event, Variable
 
+from hpo import dask_executor
 from hpo.dask_executor import (
     DaskExecutor,
     Demand,
@@ -279,6 +280,32 @@ def where(folder: Path) -> dict[str, str]:
     header = next(line for line in text.splitlines() if line.startswith("hpo: runs on Dask worker"))
     fields = next(line for line in text.splitlines() if line.startswith("ppid")).split()
     return {"worker": header.split()[5], **dict(zip(fields[::2], fields[1::2]))}
+
+
+def test_a_trials_variable_and_events_leave_the_scheduler_when_it_ends(cluster: LocalDask) -> None:
+    """A long sweep leaves nothing behind on the scheduler: each trial's Variable and Events are
+    dropped as it ends, a cancelled trial's Variable (its worker may still read it) once
+    ``LOST_GRACE_S`` has passed or the sweep ends."""
+    def held() -> tuple[set[str], set[str]]:
+        def names(dask_scheduler: Any) -> tuple[set[str], set[str]]:
+            return set(dask_scheduler.extensions["variables"].variables), set(dask_scheduler.extensions["events"]._events)
+
+        variables, events = cluster.client.run_on_scheduler(names)
+        return {name for name in variables if "leftover" in name}, {name for name in events if "leftover" in name}
+
+    with Client(cluster.address, timeout=10, set_as_default=False) as client:
+        leftovers = dask_executor._Leftovers(client)
+        for token in ("leftover-a", "leftover-b"):
+            Variable(dask_executor._end_variable(token), client=client).set("")
+            Event(dask_executor._asked_event(token), client=client).set()
+            Event(dask_executor._start_event(f"{token}-task"), client=client).set()
+        assert held() == ({"hpo-end-leftover-a", "hpo-end-leftover-b"}, {
+            "hpo-asked-leftover-a", "leftover-a-task-started", "hpo-asked-leftover-b", "leftover-b-task-started"})
+        leftovers.forget("leftover-a", ["leftover-a-task"])
+        leftovers.forget("leftover-b", ["leftover-b-task"], later=True)
+        wait_for(lambda: held() == ({"hpo-end-leftover-b"}, set()), "what the trials left stayed on the scheduler", 5)
+        leftovers.drop_all()  # a Variable's delete is sent, not answered
+        wait_for(lambda: held() == (set(), set()), "what the trials left stayed on the scheduler", 5)
 
 
 def test_trials_run_inside_the_gpu_worker_on_its_own_gpus(cluster: LocalDask, write_scenario: WriteScenario,
