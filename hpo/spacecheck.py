@@ -16,6 +16,8 @@ Widening a numeric range is sound and allowed (but for a grid: below).
 says otherwise (an edited or inserted CSV row, a grid renumbered by a widened range): the
 design would run points twice or never, so it is refused whatever ``--allow-space-change``
 says.
+
+:func:`resume_refusal` asks the three in that order, as a resumed study does.
 """
 from __future__ import annotations
 
