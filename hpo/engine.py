@@ -260,8 +260,7 @@ class _Running:
     """A trial this worker claimed: started or not, why it should end early, if it should, and
     the full disk that ended it, if one did (:meth:`_TrialRunner.execute`)."""
 
-    def __init__(self, claim: Claim) -> None:
-        self.claim = claim
+    def __init__(self) -> None:
         self.started = False
         self.end_request: str | None = None
         self.ended_elsewhere = False
@@ -298,7 +297,7 @@ class _Claims:
     def hold(self, claim: Claim) -> None:
         """Hold ``claim``, made outside :meth:`next` (``hpo rerun``)."""
         with self._lock:
-            self._running[claim.number] = _Running(claim)
+            self._running[claim.number] = _Running()
 
     def drop(self, number: int) -> None:
         """Hold trial ``number`` no more (it is recorded, or another worker took it back)."""
@@ -379,7 +378,7 @@ class _Claims:
             claimed = self._scheduler.claim(mine)
             if isinstance(claimed, Claim):
                 with self._lock:
-                    self._running[claimed.number] = _Running(claimed)
+                    self._running[claimed.number] = _Running()
             return claimed
 
         return self._store.locked(section)
