@@ -7,9 +7,10 @@ through :func:`hpo.space.config_space`. Objectives are minimized; ``optimum`` is
 minimum, or ``None`` for a real tuning task (regret is then measured against the best value any
 run found).
 
-The suite has smooth functions (Branin, Hartmann, Rosenbrock), multimodal ones (Ackley, Levy,
-Michalewicz), a mixed log/int/categorical space, a conditional optimizer choice, a 20-D space with
-two active dimensions, and real tasks on scikit-learn data sets (an SVM, gradient boosting, an MLP).
+The suite has smooth functions (Branin, Hartmann, Rosenbrock), multimodal ones (Ackley and Levy
+in 4 or 5 and in 10 dimensions, Michalewicz), a mixed log/int/categorical space, a conditional
+optimizer choice, a 20-D space with two active dimensions, and real tasks on scikit-learn data
+sets (an SVM, gradient boosting, an MLP).
 """
 from __future__ import annotations
 
@@ -120,16 +121,16 @@ def _rosenbrock(v: Mapping[str, Any]) -> float:
 
 
 def _ackley(v: Mapping[str, Any]) -> float:
-    """Ackley in 5-D on [-5, 10]^5: minimum 0 at the origin, off the centre of the box."""
-    x = _vector(v, 5)
+    """Ackley on [-5, 10]^d, d = len(v): minimum 0 at the origin, off the centre of the box."""
+    x = _vector(v, len(v))
     return float(
         -20 * math.exp(-0.2 * math.sqrt(np.mean(x**2))) - math.exp(np.mean(np.cos(2 * math.pi * x))) + 20 + math.e
     )
 
 
 def _levy(v: Mapping[str, Any]) -> float:
-    """Levy in 4-D on [-10, 10]^4: minimum 0 at (1, 1, 1, 1)."""
-    w = 1 + (_vector(v, 4) - 1) / 4
+    """Levy on [-10, 10]^d, d = len(v): minimum 0 at (1, ..., 1)."""
+    w = 1 + (_vector(v, len(v)) - 1) / 4
     middle = np.sum((w[:-1] - 1) ** 2 * (1 + 10 * np.sin(math.pi * w[:-1] + 1) ** 2))
     last = (w[-1] - 1) ** 2 * (1 + np.sin(2 * math.pi * w[-1]) ** 2)
     return float(np.sin(math.pi * w[0]) ** 2 + middle + last)
@@ -239,6 +240,8 @@ FUNCTIONS: dict[str, TestFunction] = {
         TestFunction("rosenbrock4", _box(4, -5.0, 10.0), _rosenbrock, 0.0, ("continuous",)),
         TestFunction("ackley5", _box(5, -5.0, 10.0), _ackley, 0.0, ("continuous", "multimodal", "new")),
         TestFunction("levy4", _box(4, -10.0, 10.0), _levy, 0.0, ("continuous", "multimodal", "new")),
+        TestFunction("ackley10", _box(10, -5.0, 10.0), _ackley, 0.0, ("continuous", "multimodal", "new")),
+        TestFunction("levy10", _box(10, -10.0, 10.0), _levy, 0.0, ("continuous", "multimodal", "new")),
         TestFunction("michalewicz5", _box(5, 0.0, math.pi), _michalewicz, -4.687658179, ("continuous", "multimodal",
                                                                                           "new")),
         TestFunction("branin20", _box(20, 0.0, 1.0), _branin20, 0.397887357729739, ("continuous", "high-dim", "new")),
