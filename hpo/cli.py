@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import json
 import os
 import re
@@ -211,20 +212,31 @@ class _Signals:
     """SIGINT and SIGTERM as a graceful stop: the first one calls ``stop(signum)``, a
     second one only says that the stop is under way. ``notices``: whether these lines are said
     as notices (``hpo: ``); a worker that hpo run started writes them to its log alone (hpo run
-    says the signal that it passed on, once: :mod:`hpo.worker_logs`)."""
+    says the signal that it passed on, once: :mod:`hpo.worker_logs`). With ``orphaned`` (such a
+    worker), :data:`hpo.worker_logs.ORPHANED`, which it gets as hpo run dies, calls
+    ``orphaned()`` and then stops it as SIGTERM does; a dying hpo run sends it once per thread,
+    and only the first is said."""
 
     def __init__(self, stop: Callable[[int], None], ended: str = "running trials were recorded INTERRUPTED and "
                  "queued again, trials claimed ahead went back to the queue; run the same command to resume",
-                 notices: bool = True) -> None:
+                 notices: bool = True, orphaned: Callable[[], None] | None = None) -> None:
         self.signum: int | None = None
         self._stop = stop
         self._ended = ended
         self._lead = "hpo: " if notices else ""
+        self._orphaned = orphaned
 
     def _handle(self, signum: int, frame: Any) -> None:
+        from hpo.worker_logs import ORPHANED
+
+        if signum == ORPHANED and self._orphaned is not None:
+            self._orphaned()
+            if self.signum is not None:
+                return
         if self.signum is None:
             self.signum = signum
-            print(f"{self._lead}{signal.Signals(signum).name}: ending running trials (they run again on resume)...",
+            cause = "hpo run is gone" if signum == ORPHANED else signal.Signals(signum).name
+            print(f"{self._lead}{cause}: ending running trials (they run again on resume)...",
                   file=sys.stderr, flush=True)
             self._stop(signum)
         else:
@@ -234,7 +246,10 @@ class _Signals:
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
         """Handle the signals inside the block; the previous handlers come back after it."""
-        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        from hpo.worker_logs import ORPHANED
+
+        handled = (signal.SIGINT, signal.SIGTERM) + ((ORPHANED,) if self._orphaned is not None else ())
+        previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         try:
             yield self
         finally:
@@ -374,7 +389,8 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
         _prepare(sweep, ctx, args)
         if sweep.uses_gp:  # after the checks of _prepare: a workdir it refuses is said at once
             gp.warm_up()
-        signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args))
+        signals = _Signals(lambda signum: sweep.stop(), notices=not _started_by_run(args),
+                           orphaned=_log_output_itself if _started_by_run(args) else None)
         with signals.installed(), ProgressView(sweep.store, sweep.budget,
                                                 _plan_line(ctx, args, slots, executor)) as view:
             sweep.run(view)
@@ -385,6 +401,16 @@ def _run_sweep(ctx: Context, slots: tuple[Any, ...], seed: int, args: argparse.N
     if code is not None:
         return code
     return EXIT_OK if _started_by_run(args) else _outcome_code(ctx, sweep)
+
+
+def _log_output_itself() -> None:
+    """Write this worker's output to its log itself from now on: its hpo run is dying
+    (:meth:`hpo.worker_logs.PipeToRun.orphaned`)."""
+    from hpo.worker_logs import PipeToRun
+
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, PipeToRun):
+            stream.orphaned()
 
 
 def _outcome_code(ctx: Context, sweep: Any) -> int:
@@ -437,7 +463,7 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
     from hpo.launch import die_with_parent
     from hpo.progress import ProgressView, follow_store
     from hpo.storage import redact
-    from hpo.worker_logs import WorkerLogs, ended, relaying
+    from hpo.worker_logs import ORPHANED, WorkerLogs, ended, relaying
 
     workers = args.workers
     sweep = Sweep(_sweep_config(ctx, slots, ctx.scenario.search.seed, args))
@@ -474,7 +500,8 @@ def _run_workers(ctx: Context, slots: tuple[Any, ...], args: argparse.Namespace,
                 relays.say(said)
             relays.add(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=die_with_parent), index)  # noqa: PLW1509 (prctl only)
+                                        preexec_fn=functools.partial(die_with_parent, ORPHANED)),  # noqa: PLW1509 (prctl only)
+                       index)
         others = f"; worker-0 to worker-{numbers[0] - 1} are another hpo run's" if numbers[0] else ""
         print(f"started {len(procs)} workers on {redact(ctx.storage)} (logs: {ctx.workdir}/worker-*.log{others})",
               flush=True)

@@ -406,10 +406,13 @@ class ProcessResult:
     seen_running_s: float = 0.0
 
 
-def die_with_parent() -> None:
-    """In a child process: get SIGTERM when the thread that started it dies (Linux)."""
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """In a child process: get ``signum`` when the thread that started it dies (Linux), and once
+    more as each other thread of that process, which it passes to, dies: a killed parent sends
+    it as many times as it had threads, while its open files (a pipe the child writes) close
+    only with the last."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)
     except OSError:
         pass
 

@@ -29,6 +29,10 @@ from typing import TextIO
 from hpo.render import full_disk
 
 NOTICE_PREFIXES = ("hpo: ", "error: ")
+ORPHANED = signal.SIGHUP
+"""What a worker that hpo run started gets when hpo run dies (the parent-death signal): not the
+SIGTERM that hpo run passes on while it lives, so that the worker knows to write its last lines
+to its log itself (:meth:`PipeToRun.orphaned`)."""
 WORKERS_STOP_S = 60.0  # how long hpo run, stopping for an error of its own, waits for its workers to stop
 UNWRITTEN_BYTES = 1 << 20  # the most of a worker's output kept in memory while its log's disk is full
 DRAIN_S = 5.0  # how long the output of a worker that ended is read on (a process it started may hold it open)
@@ -224,10 +228,10 @@ class PipeToRun(io.TextIOBase):
     """``sys.stdout`` or ``sys.stderr`` of a worker that hpo run started: ``stream``, the pipe
     that hpo run reads (:func:`relay`), each write sent at once (its lines reach the log and
     the screen as they are said). Once that pipe is broken (hpo run was killed: the worker
-    stops on the signal it gets then, recording its trials) the lines are appended to ``log``
-    itself, where one is given, and a write that fails there too is dropped: it must not cut
-    the worker's stop short. A line written as hpo run dies may go into the pipe while it is
-    still open, and be lost."""
+    stops on the signal it gets then, recording its trials) or once hpo run is dying
+    (:meth:`orphaned`) the lines are appended to ``log`` itself, where one is given, and a write
+    that fails there too is dropped: it must not cut the worker's stop short. A line written
+    just before hpo run dies may go into the pipe while it is still open, and be lost."""
 
     def __init__(self, stream: TextIO, log: Path | None = None) -> None:
         self._stream: TextIO | None = stream
@@ -252,3 +256,9 @@ class PipeToRun(io.TextIOBase):
 
     def fileno(self) -> int:
         return self._fileno
+
+    def orphaned(self) -> None:
+        """hpo run is dying (:data:`ORPHANED`): write to the log from now on. Its pipe stays
+        open until the last of its threads has died, and a line put into it meanwhile is
+        never read."""
+        self._stream = None

@@ -51,7 +51,7 @@ def test_workers_stop_together_and_resume(tmp_path: Path, sig: signal.Signals) -
     run.send_signal(sig)
     out, err = run.communicate(timeout=60)
     assert run.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGKILL: -9}[sig], out + err
-    if sig == signal.SIGKILL:  # the workers get SIGTERM when hpo run dies, and stop as gracefully
+    if sig == signal.SIGKILL:  # the workers are signalled as hpo run dies, and stop as gracefully
         deadline = time.monotonic() + 30
         logs = sorted((tmp_path / "runs" / "sweep").glob("worker-*.log"))  # written by the worker once its pipe broke
         ended = "\ninterrupted: running trials were recorded INTERRUPTED"
