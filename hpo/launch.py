@@ -410,7 +410,9 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """In a child process: get ``signum`` when the thread that started it dies (Linux), and once
     more as each other thread of that process, which it passes to, dies: a killed parent sends
     it as many times as it had threads, while its open files (a pipe the child writes) close
-    only with the last."""
+    only with the last. The signal's default action comes back first: one that the parent
+    ignores (``nohup`` ignores SIGHUP) would stay ignored through ``exec``."""
+    signal.signal(signum, signal.SIG_DFL)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)
     except OSError:

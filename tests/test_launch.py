@@ -801,3 +801,18 @@ def test_resources_gpus_must_be_on_this_machine() -> None:
         plan_slots(Resources(gpus=[5], gpus_per_trial=1), (0, 1, 2, 3))
     with pytest.raises(InputError, match="2 GPUs per trial, but resources.gpus names 1 GPU"):
         plan_slots(Resources(gpus=[0], gpus_per_trial=2), (0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
+def test_a_child_gets_its_parent_death_signal_even_where_the_parent_ignores_it(signum: signal.Signals) -> None:
+    """``nohup hpo run --workers K`` ignores SIGHUP, and an ignored signal stays ignored through
+    exec: die_with_parent gives the child the signal's default action back."""
+    show = f"import signal; print(int(signal.getsignal({int(signum)})))"
+    previous = signal.signal(signum, signal.SIG_IGN)
+    try:
+        child = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True,
+                               preexec_fn=lambda: launch.die_with_parent(signum))
+        plain = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True)
+    finally:
+        signal.signal(signum, previous)
+    assert int(child.stdout) == int(signal.SIG_DFL) and int(plain.stdout) == int(signal.SIG_IGN)
