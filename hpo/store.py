@@ -196,7 +196,6 @@ def _attr(trial: FrozenTrial, name: str) -> Any:
     return value if value is not None else trial.system_attrs.get(_LEGACY_SYS.get(name, ""))
 
 
-
 class StudyStore:
     """Owns the scenario's Optuna study and storage; every storage call is retried. A study
     made to another ``objective.direction`` or on another ``objective.metric`` is an InputError.
@@ -615,4 +614,3 @@ def scenario_text(path: Path) -> str:
         return utf8_text(path)
     except (OSError, InputError):
         return json.dumps({"path": str(path)})
-
