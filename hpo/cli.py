@@ -225,17 +225,21 @@ class _Signals:
         self._ended = ended
         self._lead = "hpo: " if notices else ""
         self._orphaned = orphaned
+        self._orphan_signal: int | None = None
+        if orphaned is not None:
+            from hpo.worker_logs import ORPHANED
+
+            self._orphan_signal = ORPHANED
 
     def _handle(self, signum: int, frame: Any) -> None:
-        from hpo.worker_logs import ORPHANED
-
-        if signum == ORPHANED and self._orphaned is not None:
+        orphaned = signum == self._orphan_signal
+        if orphaned and self._orphaned is not None:
             self._orphaned()
             if self.signum is not None:
                 return
         if self.signum is None:
             self.signum = signum
-            cause = "hpo run is gone" if signum == ORPHANED else signal.Signals(signum).name
+            cause = "hpo run is gone" if orphaned else signal.Signals(signum).name
             print(f"{self._lead}{cause}: ending running trials (they run again on resume)...",
                   file=sys.stderr, flush=True)
             self._stop(signum)
@@ -246,9 +250,7 @@ class _Signals:
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
         """Handle the signals inside the block; the previous handlers come back after it."""
-        from hpo.worker_logs import ORPHANED
-
-        handled = (signal.SIGINT, signal.SIGTERM) + ((ORPHANED,) if self._orphaned is not None else ())
+        handled = (signal.SIGINT, signal.SIGTERM) + (() if self._orphan_signal is None else (self._orphan_signal,))
         previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         try:
             yield self
