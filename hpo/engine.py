@@ -312,11 +312,13 @@ class _Claims:
                 running.end_request = "stopped"
 
     def next(self) -> Claim | None:
-        """The next trial for a slot, waiting while other workers' last trials still run."""
+        """The next trial for a slot to start, waiting while other workers' last trials still run."""
         while not self._stopping.is_set():
             claimed = self._claim()
             if isinstance(claimed, Claim):
-                return claimed
+                if self.may_start(claimed):
+                    return claimed
+                continue
             if claimed is None:
                 return self._take_any_ahead()
             self._stopping.wait(CLAIM_POLL_S)
@@ -367,7 +369,7 @@ class _Claims:
                 if not self._ahead_claims or self._stopping.is_set():
                     return None
             time.sleep(AHEAD_POLL_S)
-        return claim if self.still_held(claim) else self._take_any_ahead()
+        return claim if self.may_start(claim) else self._take_any_ahead()
 
     def _claim(self) -> Claim | str | None:
         def section() -> Claim | str | None:
@@ -390,10 +392,11 @@ class _Claims:
         finally:
             self.drop(claim.number)
 
-    def still_held(self, claim: Claim) -> bool:
-        """Whether ``claim``, made while the slot's last trial ran, is still this worker's; if
-        another worker found this one gone meanwhile and took it back, it is dropped."""
-        if self._scheduler.holds(claim):
+    def may_start(self, claim: Claim) -> bool:
+        """Whether this worker may start ``claim`` now (:meth:`Scheduler.may_start`, which marks
+        it starting); if another worker found this one gone since the claim and took it back,
+        it is dropped."""
+        if self._scheduler.may_start(claim):
             return True
         self.drop(claim.number)
         self._say(f"trial {claim.number} was taken back by another worker before it started here "
@@ -785,7 +788,7 @@ class Sweep:
                     continue
                 settled = books.submit(trials.settle, claimed, result)
                 following = claims.take_ahead(slot, ahead.result())
-                if isinstance(following, Claim) and not claims.still_held(following):
+                if isinstance(following, Claim) and not claims.may_start(following):
                     following = None
                 if not isinstance(following, Claim) or self._stopping.is_set():
                     settled.result()
@@ -816,7 +819,12 @@ class Sweep:
             raise InputError(f"trial {number}: {changed}; hpo rerun runs a configuration of the scenario's search "
                              "space as it is: rerun a trial run since the change")
         default_seed = recorded_seed(Path(original.folder), lambda: self.scheduler.seed_of(number))
-        claim = store.locked(lambda: self.scheduler.claim_rerun(original, seed, default_seed))
+        def claimed() -> Claim:
+            claim = self.scheduler.claim_rerun(original, seed, default_seed)
+            self.scheduler.may_start(claim)  # True under the ask lock, which a take-back holds too
+            return claim
+
+        claim = store.locked(claimed)
         self._claims.hold(claim)
         self.watchdog.start(self._on_fatal)
         trials = self._trials

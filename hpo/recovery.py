@@ -11,7 +11,9 @@ that long. What happens to a stale trial:
 
 * its leftover processes on this host are killed;
 * a result its folder holds (``result.json``: the store was down when it ended) is recorded;
-* a claim that never started goes back to the queue (WAITING);
+* a claim that never started goes back to the queue (WAITING), marked taken back first: its
+  worker, if alive after all, then does not start it (:meth:`hpo.scheduler.Scheduler.may_start`),
+  and one it marked starting meanwhile is judged started;
 * otherwise it is recorded LOST and its configuration queued again, unless it was lost
   :data:`hpo.scheduler.RUN_AGAIN_LIMIT` times in a row: then it is FAIL with reason ``lost 3
   times`` (:func:`hpo.scheduler.requeue_or_fail`, as for a trial its executor found lost). Either
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
@@ -39,7 +42,7 @@ from hpo.render import LOG_FILE, FolderFull, trial_folder
 from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue_or_fail
 from hpo.storage import MAX_PAUSE_S
-from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, StudyStore
+from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, SYS_STARTING, SYS_TAKEN_BACK, StudyStore
 
 STALE_AFTER_BEATS = 3
 
@@ -218,6 +221,14 @@ def queued_again(rows: list[TrialRow]) -> dict[int, int]:
     return {r.requeue_of: r.number for r in rows if r.requeue_of is not None}
 
 
+def _started(trial: FrozenTrial) -> bool:
+    """Whether stale ``trial``'s worker started it, or marked its claim starting
+    (:meth:`hpo.scheduler.Scheduler.may_start`)."""
+    starting = trial.system_attrs.get(SYS_STARTING)
+    return SYS_STARTED in trial.system_attrs or "run" in trial.user_attrs \
+        or (starting is not None and starting == run_info(trial).get("token"))
+
+
 def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: list[TrialRow],
                   folder: Path) -> tuple[bool, TrialResult | None]:
     """End stale ``trial``: whether this call ended it (not its own worker first), and the
@@ -227,8 +238,16 @@ def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: li
         if saved.outcome.run_again:  # LOST where its Dask worker found the trial cut off
             saved = requeue_or_fail(store, row, rows, saved)
         return store.end_other(row.number, saved, folder), saved
-    if SYS_STARTED not in trial.system_attrs and "run" not in trial.user_attrs:
-        return store.back_to_waiting(row.number), None
+    if not _started(trial):
+        token = run_info(trial).get("token")
+        if token:  # marked taken back, then read again: its worker may have marked it starting meanwhile
+            try:
+                store.set_system(row.number, SYS_TAKEN_BACK, token)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return False, None
+            trial = store.trial(row.number)
+        if not _started(trial):
+            return store.back_to_waiting(row.number), None
     result = requeue_or_fail(store, row, rows, TrialResult(Outcome.LOST, duration_s=ran_s(trial, folder),
                                                            reason="lost: its worker stopped"))
     done = store.end_other(row.number, result, folder)

@@ -52,6 +52,8 @@ from hpo.store import (
     ATTR_RETRIES,
     ATTR_RETRY_OF,
     SYS_RUN,
+    SYS_STARTING,
+    SYS_TAKEN_BACK,
     StudyStore,
 )
 
@@ -372,11 +374,24 @@ class Scheduler:
             return result
         return run_again_verdict(self.store.rows([self.store.trial(claim.number)])[0], result, filled)
 
-    def holds(self, claim: Claim) -> bool:
-        """Whether ``claim`` is still this worker's: its trial runs under the claim's token (not
-        ended, put back in the queue or claimed again by another worker that found this one gone)."""
+    def may_start(self, claim: Claim) -> bool:
+        """Mark ``claim`` as starting (:data:`hpo.store.SYS_STARTING`), then say whether it is
+        still this worker's to start: its trial runs under the claim's token, and no other worker
+        that found this one gone has taken it back (ended it, put it back in the queue, claimed
+        it again, or marked it :data:`hpo.store.SYS_TAKEN_BACK` on the way).
+
+        A take-back marks first and reads after too (:mod:`hpo.recovery`), so of a
+        start and a take-back made at once, at least one sees the other's mark: the take-back
+        then judges the trial started (LOST, queued again), or the start does not happen. A
+        claim is never run by both."""
+        try:
+            self.store.set_system(claim.number, SYS_STARTING, claim.token)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
         trial = self.store.trial(claim.number)
-        return trial.state == TrialState.RUNNING and (trial.system_attrs.get(SYS_RUN) or {}).get("token") == claim.token
+        system = trial.system_attrs
+        return trial.state == TrialState.RUNNING and (system.get(SYS_RUN) or {}).get("token") == claim.token \
+            and system.get(SYS_TAKEN_BACK) != claim.token
 
     def release(self, claim: Claim) -> None:
         """Put a claimed trial that never started back in the queue (the sweep is stopping)."""

@@ -47,6 +47,9 @@ ATTR_REQUEUE_OF, ATTR_RETRY_OF, ATTR_RERUN_OF = "requeue_of", "retry_of", "rerun
 ATTR_RETRIES, ATTR_LOST_COUNT, ATTR_DESIGN_INDEX = "retries", "lost_count", "design_index"
 ATTR_DISK_FULL_COUNT, ATTR_NOTE = "disk_full_count", "note"
 SYS_RUN, SYS_STARTED, SYS_HEARTBEAT, SYS_STOP = "hpo:run", "hpo:started", "hpo:heartbeat", "hpo:stop"
+SYS_STARTING, SYS_TAKEN_BACK = "hpo:starting", "hpo:taken_back"
+"""The token of the claim that its worker is about to start, and of the claim that another worker
+takes back because it found that worker gone (:meth:`hpo.scheduler.Scheduler.may_start`)."""
 STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
 SNAPSHOT_FETCH_LIMIT = 500
 T = TypeVar("T")

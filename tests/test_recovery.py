@@ -120,7 +120,8 @@ def claim_as(scheduler: Scheduler, worker: str, started: bool) -> Claim:
     with scheduler.store.lock():
         c = scheduler.claim(set())
     assert isinstance(c, Claim)
-    scheduler.store.set_system(c.number, SYS_RUN, {"worker": worker, "host": worker.rpartition(":")[0]})
+    scheduler.store.set_system(c.number, SYS_RUN, {"worker": worker, "host": worker.rpartition(":")[0],
+                                                   "token": c.token})
     if started:
         scheduler.store.set_system(c.number, SYS_STARTED, {"slot": 0, "folder": str(c.folder)})
     return c
@@ -182,6 +183,61 @@ def test_a_claim_that_never_started_goes_back_to_the_queue(tmp_path: Path, write
     assert (found.number, found.result, found.again_as) == (c.number, None, None)
     assert scheduler.store.trial(c.number).state == TrialState.WAITING
     assert len(scheduler.store.rows()) == 1
+
+
+def test_a_claim_taken_back_is_not_started_by_its_worker_and_one_started_is_not_taken_back(
+        tmp_path: Path, write_scenario: WriteScenario) -> None:
+    """A worker frozen between its claim and its start: the claim is taken back (queued again)
+    and the worker, thawed, does not start it; claimed again, the new claim starts. A claim
+    its worker marked starting first is judged started instead: LOST, its configuration queued
+    again, never back in the queue under its own number for a second worker to run."""
+    scheduler = make(tmp_path, write_scenario)
+    store = scheduler.store
+    taken = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=False)
+    [found] = recover_all(scheduler, tmp_path)
+    assert found.result is None and store.trial(taken.number).state == TrialState.WAITING
+    assert not scheduler.may_start(taken)
+    with store.lock():
+        again = scheduler.claim(set())
+    assert isinstance(again, Claim) and again.number == taken.number and scheduler.may_start(again)
+    assert store.record(again.number, TrialResult(Outcome.COMPLETE, 0.5), again.folder)
+
+    started = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=False)
+    assert scheduler.may_start(started)
+    [found] = recover_all(scheduler, tmp_path)
+    assert found.result is not None and found.result.outcome is Outcome.LOST and found.again_as is not None
+    assert not scheduler.may_start(started)
+
+
+@pytest.mark.parametrize("order", ["start-before-the-take-back-marks", "start-after-the-take-back-marks"])
+def test_a_start_and_a_take_back_made_at_once_never_both_go_ahead(
+        tmp_path: Path, write_scenario: WriteScenario, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """Another worker read a claim ahead as never started (its worker frozen past its heartbeats)
+    and put it back in the queue just after the worker, thawed, had found it still its own and
+    started it: both workers ran the trial. Now each marks first and reads after, so the
+    take-back sees the start (LOST, its configuration queued again as a new trial) whenever
+    the start went ahead, and the start sees the take-back otherwise."""
+    scheduler = make(tmp_path, write_scenario)
+    store = scheduler.store
+    c = claim_as(scheduler, f"{HOST}:{dead_pid()}", started=False)
+    went_ahead: list[bool] = []
+    if order == "start-before-the-take-back-marks":  # the take-back has read the trial; its mark is not written yet
+        monkeypatch.setattr(recovery, "kill_by_token", lambda token: went_ahead.append(scheduler.may_start(c)))
+    else:  # its mark is written; it has not read the trial again yet
+        read = store.trial
+
+        def thaw_then_read(number: int) -> object:
+            monkeypatch.setattr(store, "trial", read)
+            went_ahead.append(scheduler.may_start(c))
+            return read(number)
+
+        monkeypatch.setattr(recovery, "kill_by_token", lambda token: monkeypatch.setattr(store, "trial", thaw_then_read))
+    [found] = recover_all(scheduler, tmp_path)
+    assert went_ahead == [order == "start-before-the-take-back-marks"]
+    assert found.result is not None and found.result.outcome is Outcome.LOST
+    rows = store.rows()
+    assert [(r.number, r.outcome, r.requeue_of) for r in rows] == [
+        (c.number, Outcome.LOST, None), (found.again_as, Outcome.WAITING, c.number)]
 
 
 def test_a_result_left_in_the_folder_is_recorded(tmp_path: Path, write_scenario: WriteScenario) -> None:
