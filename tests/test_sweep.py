@@ -16,6 +16,8 @@ from hpo.executor import TrialControl, TrialSpec, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
 from hpo.scenario import load_scenario
+from hpo.scheduler import Claim
+from hpo.store import SYS_TAKEN_BACK
 
 WriteScenario = Callable[..., Path]
 
@@ -99,6 +101,36 @@ def test_a_design_runs_to_its_budget_on_every_slot(tmp_path: Path, write_scenari
     assert {s.slot for s in recorder.starts} == {0, 1} and len(recorder.ends) == 6
     assert all(len(sweep.store.trial(r.number).intermediate_values) == 3 for r in rows)
     assert executor.closed and {spec.folder for spec in executor.specs} == {Path(r.folder) for r in rows}
+
+
+def test_a_claim_taken_back_before_it_starts_is_not_run_and_its_point_runs_once(
+        tmp_path: Path, write_scenario: WriteScenario, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Another worker takes back a claim of this one (it found it gone) just before it starts:
+    a slot's first claim, and a claim made ahead while the slot's last trial ran. Neither is
+    run under its taken claim: the slot claims again, and every design point runs once."""
+    executor = FakeExecutor()
+    sweep = make(tmp_path, write_scenario, executor)
+    store, claim = sweep.store, sweep.scheduler.claim
+    claims: list[Claim | str | None] = []
+    taken: list[str] = []
+
+    def taken_back_at_once(mine: set[int]) -> Claim | str | None:
+        claims.append(claimed := claim(mine))
+        if isinstance(claimed, Claim) and len(claims) in (1, 4):  # as recovery takes back a claim never started
+            store.set_system(claimed.number, SYS_TAKEN_BACK, claimed.token)
+            assert store.back_to_waiting(claimed.number)
+            taken.append(claimed.token)
+        return claimed
+
+    monkeypatch.setattr(sweep.scheduler, "claim", taken_back_at_once)
+    sweep.run()
+    rows = sweep.store.rows()
+    assert [r.outcome for r in rows] == [Outcome.COMPLETE] * 6 and len(executor.specs) == 6
+    assert sorted(r.design_index for r in rows) == list(range(6))
+    assert len(taken) == 2 and not {spec.token for spec in executor.specs} & set(taken)
+    out = capsys.readouterr().out
+    assert out.count("was taken back by another worker before it started here") == 2, out
 
 
 def test_stop_ends_running_trials_and_puts_claims_back(tmp_path: Path, write_scenario: WriteScenario) -> None:
