@@ -8,9 +8,10 @@ minimum, or ``None`` for a real tuning task (regret is then measured against the
 run found).
 
 The suite has smooth functions (Branin, Hartmann, Rosenbrock), multimodal ones (Ackley and Levy
-in 4 or 5 and in 10 dimensions, Michalewicz), a mixed log/int/categorical space, a conditional
-optimizer choice, a 20-D space with two active dimensions, and real tasks on scikit-learn data
-sets (an SVM, gradient boosting, an MLP).
+in 4 or 5 and in 10 dimensions, Michalewicz), five more in 8 to 10 dimensions (tag ``8-10-d``:
+Rosenbrock, Styblinski-Tang, Rastrigin, Michalewicz, Hartmann-6 beside two inert dimensions), a
+mixed log/int/categorical space, a conditional optimizer choice, a 20-D space with two active
+dimensions, and real tasks on scikit-learn data sets (an SVM, gradient boosting, an MLP).
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def _hartmann(a: np.ndarray, p: np.ndarray) -> Callable[[Mapping[str, Any]], flo
 
 
 def _rosenbrock(v: Mapping[str, Any]) -> float:
-    x = _vector(v, 4)
+    """Rosenbrock in d = len(v) dimensions: minimum 0 at (1, ..., 1)."""
+    x = _vector(v, len(v))
     return float(np.sum(100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2))
 
 
@@ -137,10 +139,22 @@ def _levy(v: Mapping[str, Any]) -> float:
 
 
 def _michalewicz(v: Mapping[str, Any]) -> float:
-    """Michalewicz in 5-D on [0, pi]^5 (m = 10): minimum -4.687658."""
-    x = _vector(v, 5)
-    i = np.arange(1, 6)
+    """Michalewicz on [0, pi]^d, d = len(v) (m = 10): minimum -4.687658 in 5-D, -9.660152 in 10-D."""
+    x = _vector(v, len(v))
+    i = np.arange(1, len(x) + 1)
     return float(-np.sum(np.sin(x) * np.sin(i * x**2 / math.pi) ** 20))
+
+
+def _styblinski_tang(v: Mapping[str, Any]) -> float:
+    """Styblinski-Tang on [-5, 5]^d, d = len(v): minimum -39.166166 d at (-2.903534, ...)."""
+    x = _vector(v, len(v))
+    return float(0.5 * np.sum(x**4 - 16 * x**2 + 5 * x))
+
+
+def _rastrigin(v: Mapping[str, Any]) -> float:
+    """Rastrigin on [-5.12, 5.12]^d, d = len(v): minimum 0 at the origin."""
+    x = _vector(v, len(v))
+    return float(10 * len(x) + np.sum(x**2 - 10 * np.cos(2 * math.pi * x)))
 
 
 _ACTIVATION_PENALTY = {"relu": 0.0, "tanh": 0.3, "sigmoid": 1.0}
@@ -245,6 +259,14 @@ FUNCTIONS: dict[str, TestFunction] = {
         TestFunction("michalewicz5", _box(5, 0.0, math.pi), _michalewicz, -4.687658179, ("continuous", "multimodal",
                                                                                           "new")),
         TestFunction("branin20", _box(20, 0.0, 1.0), _branin20, 0.397887357729739, ("continuous", "high-dim", "new")),
+        TestFunction("rosenbrock8", _box(8, -5.0, 10.0), _rosenbrock, 0.0, ("continuous", "8-10-d", "new")),
+        TestFunction("styblinski8", _box(8, -5.0, 5.0), _styblinski_tang, -39.16616570377141 * 8,
+                     ("continuous", "multimodal", "8-10-d", "new")),
+        TestFunction("rastrigin8", _box(8, -5.12, 5.12), _rastrigin, 0.0, ("continuous", "multimodal", "8-10-d", "new")),
+        TestFunction("michalewicz10", _box(10, 0.0, math.pi), _michalewicz, -9.660151715641234,
+                     ("continuous", "multimodal", "8-10-d", "new")),
+        TestFunction("hartmann6in8", _box(8, 0.0, 1.0), _hartmann(_H6_A, _H6_P), -3.32236801141551,
+                     ("continuous", "8-10-d", "new")),  # x6 and x7 do nothing
         TestFunction(
             "mixed",
             {
