@@ -42,7 +42,7 @@ from hpo.render import LOG_FILE, FolderFull, trial_folder
 from hpo.rows import TrialRow
 from hpo.scheduler import HOST, requeue_or_fail
 from hpo.storage import MAX_PAUSE_S
-from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, SYS_STARTING, SYS_TAKEN_BACK, StudyStore
+from hpo.store import SYS_HEARTBEAT, SYS_RUN, SYS_STARTED, SYS_STARTING, SYS_TAKEN_BACK, StudyStore, has_started
 
 STALE_AFTER_BEATS = 3
 
@@ -225,8 +225,7 @@ def _started(trial: FrozenTrial) -> bool:
     """Whether stale ``trial``'s worker started it, or marked its claim starting
     (:meth:`hpo.scheduler.Scheduler.may_start`)."""
     starting = trial.system_attrs.get(SYS_STARTING)
-    return SYS_STARTED in trial.system_attrs or "run" in trial.user_attrs \
-        or (starting is not None and starting == run_info(trial).get("token"))
+    return has_started(trial) or (starting is not None and starting == run_info(trial).get("token"))
 
 
 def _settle_stale(store: StudyStore, trial: FrozenTrial, row: TrialRow, rows: list[TrialRow],

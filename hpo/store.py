@@ -134,10 +134,15 @@ def optuna_state(outcome: Outcome) -> TrialState:
     return {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(outcome, TrialState.FAIL)
 
 
+def has_started(trial: FrozenTrial) -> bool:
+    """Whether the worker that claimed ``trial`` recorded its start (:data:`SYS_STARTED`; studies
+    made before it: the ``run`` attribute)."""
+    return SYS_STARTED in trial.system_attrs or _LEGACY_RUN in trial.user_attrs
+
+
 def _outcome(trial: FrozenTrial, recorded: str | None) -> Outcome:
     if trial.state == TrialState.RUNNING:
-        return Outcome.RUNNING if SYS_STARTED in trial.system_attrs or _LEGACY_RUN in trial.user_attrs \
-            else Outcome.WAITING
+        return Outcome.RUNNING if has_started(trial) else Outcome.WAITING
     if trial.state == TrialState.WAITING:
         return Outcome.WAITING
     try:
