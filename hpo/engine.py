@@ -312,13 +312,11 @@ class _Claims:
                 running.end_request = "stopped"
 
     def next(self) -> Claim | None:
-        """The next trial for a slot to start, waiting while other workers' last trials still run."""
+        """The next trial for a slot, waiting while other workers' last trials still run."""
         while not self._stopping.is_set():
             claimed = self._claim()
             if isinstance(claimed, Claim):
-                if self.may_start(claimed):
-                    return claimed
-                continue
+                return claimed
             if claimed is None:
                 return self._take_any_ahead()
             self._stopping.wait(CLAIM_POLL_S)
@@ -369,7 +367,7 @@ class _Claims:
                 if not self._ahead_claims or self._stopping.is_set():
                     return None
             time.sleep(AHEAD_POLL_S)
-        return claim if self.may_start(claim) else self._take_any_ahead()
+        return claim
 
     def _claim(self) -> Claim | str | None:
         def section() -> Claim | str | None:
@@ -394,8 +392,8 @@ class _Claims:
 
     def may_start(self, claim: Claim) -> bool:
         """Whether this worker may start ``claim`` now (:meth:`Scheduler.may_start`, which marks
-        it starting); if another worker found this one gone since the claim and took it back,
-        it is dropped."""
+        it starting: call it just before the start); if another worker found this one gone since
+        the claim and took it back, it is dropped."""
         if self._scheduler.may_start(claim):
             return True
         self.drop(claim.number)
@@ -779,6 +777,11 @@ class Sweep:
         settled: Future[None] | None = None
         try:
             while claimed is not None and not self._stopping.is_set():
+                if not claims.may_start(claimed):
+                    if settled is not None:
+                        settled.result()  # the claim to come may be a trial that this settling queues again
+                    claimed = claims.next()
+                    continue
                 ahead = claims.submit_ahead(books, slot) if books else None
                 result = trials.verdict(claimed, trials.execute(slot, claimed))
                 trials.announce(claimed, result)  # before the next trial starts on this slot
@@ -786,10 +789,10 @@ class Sweep:
                     trials.settle(claimed, result)
                     claimed = claims.next()
                     continue
+                if settled is not None:
+                    settled.result()  # the last trial's settling, done (the claim ahead waited behind it)
                 settled = books.submit(trials.settle, claimed, result)
                 following = claims.take_ahead(slot, ahead.result())
-                if isinstance(following, Claim) and not claims.may_start(following):
-                    following = None
                 if not isinstance(following, Claim) or self._stopping.is_set():
                     settled.result()
                     if isinstance(following, Claim):
