@@ -104,10 +104,19 @@ def _stop(server: str) -> None:
         time.sleep(0.1)
 
 
-def write(tmp_path: Path, store_retry: float = 300) -> Path:
-    (tmp_path / "trial.py.j2").write_text(textwrap.dedent("""\
-        import time
-        from hpo.results import report
+def write(tmp_path: Path, store_retry: float = 300, gate_after: int | None = None) -> Path:
+    """The scenario: TRIALS monte_carlo trials of 0.4 s, 2 slots a worker. With ``gate_after``, a
+    trial whose design point is not among the first ``gate_after`` started waits for the
+    file ``go`` in ``tmp_path`` (:func:`open_gate`), so the sweep cannot finish before the
+    test has taken the server down, however slowly the test's polls run."""
+    gate = "" if gate_after is None else textwrap.dedent(f"""\
+        started = pathlib.Path({str(tmp_path / "started")!r})
+        started.mkdir(exist_ok=True)
+        (started / "{{{{ x }}}}").touch()
+        while len(list(started.iterdir())) > {gate_after} and not pathlib.Path({str(tmp_path / "go")!r}).exists():
+            time.sleep(0.1)
+        """)
+    (tmp_path / "trial.py.j2").write_text("import pathlib, time\nfrom hpo.results import report\n" + gate + textwrap.dedent("""\
         time.sleep(0.4)
         report(val_error={{ x }}, test_error={{ x }} / 2)
         """))
@@ -123,6 +132,10 @@ def write(tmp_path: Path, store_retry: float = 300) -> Path:
         resources: {{parallel: 2, heartbeat: 1, store_retry: {store_retry}}}
         """))
     return path
+
+
+def open_gate(tmp_path: Path) -> None:
+    (tmp_path / "go").touch()
 
 
 def start(path: Path) -> subprocess.Popen[str]:
@@ -152,7 +165,8 @@ def assert_every_point_once(path: Path) -> None:
 
 
 def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path) -> None:
-    path = write(tmp_path)
+    # At most 16 design points start before the outage: the last trials wait it out running.
+    path = write(tmp_path, gate_after=16)
     run = start(path)
     wait_for_done(path, 5, run)
     assert _pg("pg_ctlcluster", server, CLUSTER, "restart", "-m", "fast").returncode == 0
@@ -160,6 +174,7 @@ def test_a_restart_and_a_15_s_outage_are_ridden_out(server: str, tmp_path: Path)
     _stop(server)
     time.sleep(15)
     assert _pg("pg_ctlcluster", server, CLUSTER, "start").returncode == 0
+    open_gate(tmp_path)
     out, _ = run.communicate(timeout=180)
     assert run.returncode == 0, out
     # A copy of a design point queued by a worker whose lock the restart ended unseen is
