@@ -304,12 +304,13 @@ class _Claims:
         with self._lock:
             self._running.pop(number, None)
 
-    def request_end(self, number: int) -> None:
-        """End trial ``number`` early: a user asked for it (``hpo stop``)."""
+    def request_end(self, number: int, request: str) -> None:
+        """End trial ``number`` early, for ``request`` (:class:`hpo.watchdog.Watchdog`'s
+        ``end_trial``); the first request stands."""
         with self._lock:
             running = self._running.get(number)
             if running is not None and running.end_request is None:
-                running.end_request = "stopped"
+                running.end_request = request
 
     def next(self) -> Claim | None:
         """The next trial for a slot, waiting while other workers' last trials still run."""

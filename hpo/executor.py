@@ -56,8 +56,11 @@ from hpo.scenario import Objective
 
 TAIL_LINES = 200
 PAUSE_NOTED_S = 1.0  # a process found ended this long after it was last seen running: the worker was paused
-EARLY_ENDS = ("timeout", "pruned", "stopped", "interrupted")  # what hpo ended before the trial's own end
-CUT_SHORT = ("stopped", "interrupted")  # ends asked of a trial whose later values are not reported
+EARLY_ENDS = ("timeout", "pruned", "stopped", "interrupted", "lost")  # what hpo ended before the trial's own end
+CUT_SHORT = ("stopped", "interrupted", "lost")  # ends asked of a trial whose later values are not reported
+ENDED_AS_LOST = "ended here: another worker had judged it lost and runs it again"
+"""The reason of a trial that this worker ended, on the end request ``lost``, because another
+worker had judged it lost meanwhile: the study keeps that worker's record, not this one."""
 _TORCHRUN_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 
 
@@ -141,7 +144,8 @@ class TrialControl(Protocol):
 
     @abstractmethod
     def end_request(self) -> str | None:
-        """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops) or None."""
+        """``"stopped"`` (a user asked), ``"interrupted"`` (the sweep stops), ``"lost"`` (another
+        worker judged the trial lost and runs it again) or None."""
 
 
 class Executor(Protocol):
@@ -271,7 +275,7 @@ def _with_line(cause: str, tail: Sequence[str], or_last_line: bool = False) -> s
 
 
 def not_started(spec: TrialSpec, request: str) -> TrialResult:
-    """How ``spec`` ends when ``request`` (``interrupted``, ``stopped``) came before it started:
+    """How ``spec`` ends when ``request`` (``interrupted``, ``stopped``, ``lost``) came before it started:
     so ended, after 0 s."""
     return judge(Metrics(), spec.objective, 0, request, (), 0.0, spec.timeout)
 
@@ -289,7 +293,7 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         metrics: what its output reported.
         objective: the metric, held-out metrics and direction.
         exit_code: its exit code (negative: killed by that signal).
-        ended_by: what ended it early: ``timeout``, ``pruned``, ``stopped``, ``interrupted``;
+        ended_by: what ended it early: ``timeout``, ``pruned``, ``stopped``, ``interrupted``, ``lost``;
             else a failure's reason (``cannot start ...``, ``post_process exit code ...``);
             None when it exited by itself.
         tail: its last output lines, for the reason's error line.
@@ -316,6 +320,8 @@ def judge(metrics: Metrics, objective: Objective, exit_code: int, ended_by: str 
         return ended(Outcome.STOPPED, "stopped by the user")
     if ended_by == "interrupted":
         return ended(Outcome.INTERRUPTED, "interrupted: the sweep was stopped; it runs again on resume")
+    if ended_by == "lost":
+        return ended(Outcome.INTERRUPTED, ENDED_AS_LOST)
     if ended_by is not None:
         return ended(Outcome.FAIL, ended_by)
     if exit_code == -signal.SIGKILL or (exit_code != 0 and any(_TORCHRUN_SIGKILL.search(x) for x in tail)):

@@ -495,12 +495,13 @@ class StudyStore:
         """Set one of hpo's system attributes (claims, starts, heartbeats, stop requests)."""
         self.call(self._storage.set_trial_system_attr, self._id(number), key, value)
 
-    def beat(self, number: int) -> None:
-        """Mark trial ``number`` alive now (nothing if it has just ended)."""
+    def beat(self, number: int) -> bool:
+        """Mark trial ``number`` alive now; False (nothing marked) if it has ended."""
         try:
             self.set_system(number, SYS_HEARTBEAT, time.time())
         except optuna.exceptions.UpdateFinishedTrialError:
-            pass
+            return False
+        return True
 
     def stop_requested(self, number: int) -> bool:
         """Whether someone asked (``hpo stop``) for trial ``number`` to end."""

@@ -1,7 +1,9 @@
 """The watchdog of one worker: heartbeats, stop requests, and trials of workers that are gone.
 
 Every second it reads the stop requests (``hpo stop``) of the trials this worker claimed;
-every ``resources.heartbeat`` seconds it beats their heartbeats and, under the ask lock,
+every ``resources.heartbeat`` seconds it beats their heartbeats (a trial found ended there was
+judged lost by another worker while this one could not beat, a pause or a stall: its process is
+ended here, since the other worker runs it again) and, under the ask lock,
 re-runs the trials of workers that are gone (:mod:`hpo.recovery`), and says which. After a store outage it
 judges no heartbeat until every worker has had time to beat again
 (:func:`hpo.recovery.judges_beats`),
@@ -29,18 +31,19 @@ class Watchdog:
         workdir: where trial folders are (results a lost trial left there are recorded).
         worker: this worker's id (``host:pid``).
         claimed: the numbers of the trials this worker claimed, started or not.
-        stop_trial: called with a trial's number when a user asked to stop it.
+        end_trial: called with a trial's number and why it should end: ``stopped`` (a user
+            asked: ``hpo stop``) or ``lost`` (another worker judged it lost and ended it).
         found_gone: called with what became of the trials of gone workers, when there were any.
     """
 
     def __init__(self, store: StudyStore, workdir: Path, worker: str, claimed: Callable[[], list[int]],
-                 stop_trial: Callable[[int], None],
+                 end_trial: Callable[[int, str], None],
                  found_gone: Callable[[list[Recovered]], None] = lambda gone: None) -> None:
         self._store = store
         self._workdir = workdir
         self._worker = worker
         self._claimed = claimed
-        self._stop_trial = stop_trial
+        self._end_trial = end_trial
         self._found_gone = found_gone
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,9 +78,9 @@ class Watchdog:
         store = self._store
         for number in self._claimed():
             if store.stop_requested(number):
-                self._stop_trial(number)
-            if beat:
-                store.beat(number)
+                self._end_trial(number, "stopped")
+            if beat and not store.beat(number):
+                self._end_trial(number, "lost")
         if beat:
             gone = store.locked(lambda: recover_stale(store, self._workdir, self._worker, set(self._claimed())))
             if gone:

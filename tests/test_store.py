@@ -206,8 +206,10 @@ def test_recording_a_trial_someone_else_ended_is_false_not_an_error(scenario: Sc
     store = StudyStore(scenario, url)
     trial = store.ask()
     trial.suggest_float("x", 0.0, 1.0)
+    assert store.beat(trial.number)
     other = StudyStore(scenario, url, create=False)
     assert other.end_other(trial.number, TrialResult(Outcome.LOST, reason="lost: its worker stopped"), "f")
+    assert not store.beat(trial.number)  # what tells its worker, which still runs it, to end it
     assert not store.record(trial.number, own, "f")
     assert store.rows()[0].outcome is Outcome.LOST
     assert not other.end_other(trial.number, TrialResult(Outcome.LOST, reason="again"), "f")

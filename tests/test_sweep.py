@@ -12,11 +12,12 @@ import pytest
 
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.errors import StoreUnavailable
-from hpo.executor import TrialControl, TrialSpec, saved_result
+from hpo.executor import ENDED_AS_LOST, TrialControl, TrialSpec, judge, saved_result
 from hpo.launch import Slot
 from hpo.outcome import Outcome, TrialResult
+from hpo.results import Metrics
 from hpo.scenario import load_scenario
-from hpo.scheduler import Claim
+from hpo.scheduler import Claim, requeue_or_fail
 from hpo.store import SYS_TAKEN_BACK
 
 WriteScenario = Callable[..., Path]
@@ -31,6 +32,7 @@ class FakeExecutor:
         self.hold = threading.Event()
         self.hold.set()
         self.specs: list[TrialSpec] = []
+        self.ended_on: list[str] = []
         self.closed = False
 
     def run(self, spec: TrialSpec, control: TrialControl) -> TrialResult:
@@ -41,10 +43,9 @@ class FakeExecutor:
                 return TrialResult(Outcome.PRUNED, reason=f"pruned at step {step}", step=step)
         while not self.hold.wait(0.01):
             request = control.end_request()
-            if request == "interrupted":
-                return TrialResult(Outcome.INTERRUPTED, reason="interrupted")
-            if request == "stopped":
-                return TrialResult(Outcome.STOPPED, reason="stopped by the user")
+            if request is not None:
+                self.ended_on.append(request)
+                return judge(Metrics(), spec.objective, 0, request, (), 0.01, None)
         return TrialResult(Outcome.COMPLETE, float(spec.params["x"]), {"test_error": 1.0}, 0.01)
 
     def close(self) -> None:
@@ -161,6 +162,34 @@ def test_a_stop_request_reaches_the_running_trial(tmp_path: Path, write_scenario
     thread.join(30)
     row = sweep.store.rows()[0]
     assert (row.outcome, row.reason) == (Outcome.STOPPED, "stopped by the user")
+
+
+def test_a_running_trial_judged_lost_by_another_worker_is_ended_here(tmp_path: Path,
+                                                                     write_scenario: WriteScenario) -> None:
+    """Another worker judged this one's running trial lost (this one could not beat: paused, or
+    on a stalled machine) and queued its configuration again. This worker's next heartbeat finds
+    the trial ended, and its run here ends then, not beside the copy; the study keeps the other
+    worker's LOST record, this worker announces it with its own end, and the copy runs."""
+    executor = FakeExecutor()
+    executor.hold.clear()
+    sweep = make(tmp_path, write_scenario, executor, parallel=1, trials=1)
+    recorder = Recorder()
+    thread = run_in_thread(sweep, recorder)
+    wait_for(lambda: len(executor.specs) == 1)
+    store = sweep.store
+    lost = TrialResult(Outcome.LOST, reason="lost: no heartbeat")
+    rows = store.rows()
+    store.locked(lambda: requeue_or_fail(store, rows[0], rows, lost))  # as hpo.recovery judges it, elsewhere
+    assert store.record(0, lost, rows[0].folder)
+    wait_for(lambda: executor.ended_on == ["lost"], timeout=10)
+    executor.hold.set()
+    thread.join(30)
+    assert [(r.number, r.outcome, r.requeue_of) for r in store.rows()] == \
+        [(0, Outcome.LOST, None), (1, Outcome.COMPLETE, 0)]
+    [end] = [e for e in recorder.ends if e.number == 0]
+    assert end.result.outcome is Outcome.LOST and end.again_as == 1
+    assert end.unrecorded is not None and (end.unrecorded.outcome, end.unrecorded.reason) == \
+        (Outcome.INTERRUPTED, ENDED_AS_LOST)
 
 
 def test_pruning_ends_bad_trials_in_process(tmp_path: Path, write_scenario: WriteScenario) -> None:
