@@ -9,8 +9,9 @@ observer hears of each trial of another worker that this one found gone.
 
 A claim is checked before it runs and a result before it is announced: a trial that
 another worker took over while this one could not beat (paused, e.g. by SIGSTOP) is not
-run, and one it judged lost is announced as recorded, this worker's own result noted
-(it stays in the trial's folder), never as if it had counted.
+run; one running that it judged lost is ended at this worker's next heartbeat (the other
+worker runs it again), and is announced as recorded, this worker's own end noted (it stays
+in the trial's folder), never as if it had counted.
 
 :meth:`Sweep.stop` (SIGINT, SIGTERM) ends the sweep gracefully: running trials are ended
 and recorded INTERRUPTED (their configuration queued again), trials claimed ahead go
