@@ -37,7 +37,7 @@ from hpo.dask_executor import (
 )
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
 from hpo.errors import InputError
-from hpo.executor import LocalExecutor, TrialControl, TrialSpec, saved_result
+from hpo.executor import ENDED_AS_LOST, LocalExecutor, TrialControl, TrialSpec, saved_result
 from hpo.jobqueue import TrialAdaptive, job_options, job_script, trials_per_job
 from hpo.launch import TOKEN_ENV, Slot
 from hpo.outcome import Outcome
@@ -457,7 +457,7 @@ def test_without_a_shared_filesystem_the_log_and_result_come_back(scratch_execut
     assert saved_result(folder, 5) == result and (folder / "train.py").exists() and not (folder / ".hpo-token").exists()
 
 
-def test_pruning_stop_requests_and_timeouts_end_remote_trials(scratch_executor: DaskExecutor, tmp_path: Path) -> None:
+def test_pruning_end_requests_and_timeouts_end_remote_trials(scratch_executor: DaskExecutor, tmp_path: Path) -> None:
     start = time.monotonic()
     pruned = Control(prune_at=3)
     result = scratch_executor.run(trial_spec(tmp_path / "a", STEPS, "pruned"), pruned)
@@ -468,6 +468,8 @@ def test_pruning_stop_requests_and_timeouts_end_remote_trials(scratch_executor: 
     stopped = scratch_executor.run(trial_spec(tmp_path / "b", STEPS, "stopped"), asked_to_stop)
     assert (stopped.outcome, stopped.reason) == (Outcome.STOPPED, "stopped by the user")
     assert asked_to_stop.values == asked_to_stop.recorded == []  # as on this machine: a trial being stopped reports none
+    judged_lost = scratch_executor.run(trial_spec(tmp_path / "d", STEPS, "lost"), Control(end="lost"))  # elsewhere
+    assert (judged_lost.outcome, judged_lost.reason) == (Outcome.INTERRUPTED, ENDED_AS_LOST)
     timed_out = scratch_executor.run(trial_spec(tmp_path / "c", STEPS, "timeout", timeout=1.0), Control())
     assert timed_out.outcome is Outcome.TIMEOUT
     assert time.monotonic() - start < 25
