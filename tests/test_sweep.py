@@ -180,7 +180,7 @@ def test_a_running_trial_judged_lost_by_another_worker_is_ended_here(tmp_path: P
     lost = TrialResult(Outcome.LOST, reason="lost: no heartbeat")
     rows = store.rows()
     store.locked(lambda: requeue_or_fail(store, rows[0], rows, lost))  # as hpo.recovery judges it, elsewhere
-    assert store.record(0, lost, rows[0].folder)
+    assert store.end_other(0, lost, rows[0].folder)  # as recovery records another worker's trial
     wait_for(lambda: executor.ended_on == ["lost"], timeout=10)
     executor.hold.set()
     thread.join(30)
