@@ -12,8 +12,9 @@ hpo's methods are built exactly as a scenario's ``search.method`` builds them
 (:func:`hpo.samplers.build_sampler`) and suggest through :func:`hpo.space.suggest`, as the engine
 does; SMAC3 runs its HPO facade (random forest) on the same ConfigSpace space. Prints the median
 regret (best value found minus the known optimum; for a real tuning task, minus the best value
-any run found) at 50 and 100 trials, and the ratio of smac to the best of the anchors (tpe, gp,
-SMAC3): the goal is a ratio <= 1 everywhere. ``--save`` keeps each run's best value at each
+any run found) at 50 and 100 trials, the ratio of smac to the best of the anchors (tpe, gp,
+SMAC3), and smac against that anchor seed by seed (seeds won, tied and lost, and Wilcoxon's
+signed-rank p-value): the goal is a ratio <= 1 everywhere. ``--save`` keeps each run's best value at each
 budget and its wall time, which is all the table needs.
 """
 from __future__ import annotations
@@ -105,20 +106,34 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def regrets(runs: list[Run], budget: int) -> dict[tuple[str, str], list[float]]:
-    """Regret of each run after ``budget`` trials, grouped by (function, method); a real task's
-    reference is the best value any run found at any budget."""
+def regrets(runs: list[Run], budget: int) -> dict[tuple[str, str], dict[int, float]]:
+    """Regret of each run after ``budget`` trials by seed, grouped by (function, method); a real
+    task's reference is the best value any run found at any budget."""
     reference: dict[str, float] = {}
     for run in runs:
         optimum = FUNCTIONS[run.function].optimum
         found = min(run.best.values())
         reference[run.function] = min(reference.get(run.function, found), found) if optimum is None else optimum
-    grouped: dict[tuple[str, str], list[float]] = {}
+    grouped: dict[tuple[str, str], dict[int, float]] = {}
     for run in runs:
         if budget in run.best:
             regret = max(run.best[budget] - reference[run.function], 0.0)
-            grouped.setdefault((run.function, run.method), []).append(regret)
+            grouped.setdefault((run.function, run.method), {})[run.seed] = regret
     return grouped
+
+
+def paired(mine: dict[int, float], other: dict[int, float]) -> str:
+    """Seed by seed on the seeds both have: ``W-T-L p``, the seeds where ``mine`` has the lower,
+    the equal and the higher regret, and the two-sided p-value of Wilcoxon's signed-rank test
+    of their differences (1 where all are equal), so a median ratio away from 1 can be told
+    from the spread of 10 seeds."""
+    from scipy.stats import wilcoxon
+
+    seeds = sorted(set(mine) & set(other))
+    differences = [mine[s] - other[s] for s in seeds]
+    wins, losses = sum(d < 0 for d in differences), sum(d > 0 for d in differences)
+    p = float(wilcoxon(differences).pvalue) if wins + losses else 1.0
+    return f"{wins}-{len(seeds) - wins - losses}-{losses} {p:.2f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -130,18 +145,21 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
-    """The table of median regrets and smac's ratio to the best anchor, then mean run times."""
+    """The table of median regrets, smac's ratio to the best anchor and smac against it seed by
+    seed (:func:`paired`), then mean run times."""
     methods = [m for m in METHODS + VARIANTS if any(r.method == m for r in runs)]
-    lines = [f"{'function':<13} {'trials':>6} " + " ".join(f"{m:>10}" for m in methods) + f" {'smac/best':>9} {'best':>6}"]
+    lines = [f"{'function':<13} {'trials':>6} " + " ".join(f"{m:>10}" for m in methods)
+             + f" {'smac/best':>9} {'best':>6} {'W-T-L p':>12}"]
     for name in functions:
         for budget in budgets:
             grouped = regrets(runs, budget)
-            med = {m: statistics.median(grouped[(name, m)]) for m in methods if (name, m) in grouped}
+            med = {m: statistics.median(grouped[(name, m)].values()) for m in methods if (name, m) in grouped}
             cells = " ".join(f"{med[m]:>10.4g}" if m in med else f"{'-':>10}" for m in methods)
             anchors = {m: med[m] for m in ANCHORS if m in med}
             best = min(anchors, key=anchors.__getitem__) if anchors else None
             ratio = _ratio(med.get("smac"), anchors[best]) if best else "-"
-            lines.append(f"{name:<13} {budget:>6} {cells} {ratio:>9} {best or '-':>6}")
+            versus = paired(grouped[(name, "smac")], grouped[(name, best)]) if best and "smac" in med else "-"
+            lines.append(f"{name:<13} {budget:>6} {cells} {ratio:>9} {best or '-':>6} {versus:>12}")
     lines.append("\nmean wall time per run (s): " + ", ".join(
         f"{m} {statistics.mean(r.seconds for r in runs if r.method == m):.1f}" for m in methods))
     return "\n".join(lines)
