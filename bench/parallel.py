@@ -10,7 +10,8 @@ above 0.1: Hartmann-6's best local minimum is 0.12 above its global one), duplic
 groups; the count of trapped runs says which, the median of the others how well they refine,
 and the ratio's spread over the seeds resampled how much one run of 10 seeds can tell. K
 workers' runs do not repeat (each worker's sampler seed takes in its process id, and timing
-orders the trials): three 10-seed runs of one commit gave ratios of 15, 26 and 30. Both modes also print a yardstick for the goal:
+orders the trials): three 10-seed runs of one commit gave ratios of 15, 26 and 30. Both modes
+also print a yardstick for the goal:
 one worker's own median regret K-1 trials earlier over its median at the last trial, the ratio K
 workers would reach if each of their proposals were as good as one worker's made without the
 K-1 results still running. Where regret falls fast with trials, it can exceed 1.2 by itself.
