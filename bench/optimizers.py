@@ -14,8 +14,8 @@ does; SMAC3 runs its HPO facade (random forest) on the same ConfigSpace space. P
 regret (best value found minus the known optimum; for a real tuning task, minus the best value
 any run found) at 50 and 100 trials, the ratio of smac to the best of the anchors (tpe, gp,
 SMAC3), and smac against that anchor seed by seed (seeds won, tied and lost, and Wilcoxon's
-signed-rank p-value): the goal is a ratio <= 1 everywhere. ``--save`` keeps each run's best value at each
-budget and its wall time, which is all the table needs.
+signed-rank p-value): the goal is a ratio <= 1 everywhere. ``--save`` keeps each run's best
+value at each budget and its wall time, which is all the table needs.
 """
 from __future__ import annotations
 
