@@ -150,9 +150,10 @@ def report(runs: list[Run], budgets: list[int], functions: list[str]) -> str:
     methods = [m for m in METHODS + VARIANTS if any(r.method == m for r in runs)]
     lines = [f"{'function':<13} {'trials':>6} " + " ".join(f"{m:>10}" for m in methods)
              + f" {'smac/best':>9} {'best':>6} {'W-T-L p':>12}"]
+    by_budget = {budget: regrets(runs, budget) for budget in budgets}
     for name in functions:
         for budget in budgets:
-            grouped = regrets(runs, budget)
+            grouped = by_budget[budget]
             med = {m: statistics.median(grouped[(name, m)].values()) for m in methods if (name, m) in grouped}
             cells = " ".join(f"{med[m]:>10.4g}" if m in med else f"{'-':>10}" for m in methods)
             anchors = {m: med[m] for m in ANCHORS if m in med}
