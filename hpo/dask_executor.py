@@ -72,7 +72,7 @@ from typing import Any
 import dask
 from dask.utils import parse_timedelta
 from distributed import CancelledError, Client, Event, KilledWorker, Variable, get_client, get_worker
-from distributed.comm import CommClosedError
+from distributed.comm import CommClosedError, get_address_host
 from distributed.worker import WORKER_ANY_RUNNING, Worker
 
 from hpo.errors import ExecutorUnavailable, InputError
@@ -492,16 +492,34 @@ class _WorkerControl(TrialControl):
         return self._courier.end_request()
 
 
-def trial_threads(worker: Worker, options: TaskOptions) -> int:
-    """Threads per process of a trial: the worker's cores (those it may run on, and no more than
-    the ``CPU`` resource it offers: a batch job's cores) divided among the trials it runs at once."""
+def trial_threads(worker: Worker, options: TaskOptions, host_threads: int) -> int:
+    """Threads per process of a trial: the worker's cores divided among the trials it runs at once.
+
+    A worker's cores are the ``CPU`` resource it offers (a batch job's cores), capped by those
+    it may run on; a worker that offers none shares the cores it may run on with the other
+    workers of its host, by threads (``host_threads``: theirs and its own), so the several
+    workers of a ``LocalCluster`` or of ``dask worker --nworkers`` do not each take them all.
+    """
     cpus = usable_cores()
     offered = worker.state.total_resources.get("CPU")
+    nthreads = worker.state.nthreads
     if offered:
         cpus = min(cpus, max(1, int(offered)))
+    else:
+        cpus = max(1, cpus * nthreads // max(host_threads, nthreads))
     demand = options.demand
-    at_once = demand.at_once(worker.state.nthreads, worker.state.total_resources, options.restricted) or 1
+    at_once = demand.at_once(nthreads, worker.state.total_resources, options.restricted) or 1
     return max(1, cpus // (at_once * demand.processes))
+
+
+def host_threads(client: Client, worker: Worker) -> int:
+    """The threads of the Dask workers on ``worker``'s host (its own included), as the
+    scheduler knows them (its own alone where the scheduler does not answer within 10 s); a
+    host is its workers' address without the port."""
+    host = get_address_host(worker.address)
+    workers = _within(10.0, lambda: client.scheduler_info(n_workers=-1)["workers"], {})
+    return sum(int(info.get("nthreads", 0)) for address, info in workers.items()
+               if get_address_host(address) == host) or worker.state.nthreads
 
 
 def worker_label(worker: Worker) -> str:
@@ -543,7 +561,8 @@ def run_task(spec: TrialSpec, options: TaskOptions) -> TaskReport:
     except ValueError as exc:
         return TaskReport(TrialResult(Outcome.FAIL, reason=str(exc)), worker.address)
     try:
-        slot = replace(spec.slot, gpus=gpus, threads=env_threads(spec.env) or trial_threads(worker, options),
+        threads = env_threads(spec.env) or trial_threads(worker, options, host_threads(client, worker))
+        slot = replace(spec.slot, gpus=gpus, threads=threads,
                        share=demand.share if gpus else 1)
         courier = _Courier(worker, client, spec, options, None if shared else folder / LOG_FILE)
         courier.poll()

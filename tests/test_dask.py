@@ -31,8 +31,11 @@ from hpo.dask_executor import (
     Demand,
     GpuPool,
     SchedulerGone,
+    TaskOptions,
+    host_threads,
     nothing_listens,
     open_cluster,
+    trial_threads,
     worker_gpus,
 )
 from hpo.engine import Sweep, SweepConfig, TrialEnd, TrialStart
@@ -326,7 +329,8 @@ def test_trials_run_inside_the_gpu_worker_on_its_own_gpus(cluster: LocalDask, wr
     assert {s["worker"] for s in seen} == {gpu_worker}
     assert {int(s["ppid"]) for s in seen} == {pids[gpu_worker]}
     assert {s["gpus"] for s in seen} == {"'0'", "'1'"}
-    assert {s["threads"] for s in seen} == {str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    host_share = len(os.sched_getaffinity(0)) * 2 // 3  # the GPU worker's 2 of its host's 3 worker threads
+    assert {s["threads"] for s in seen} == {str(max(1, host_share // 2))}
     spans = [(float(s["start"]), float(Path(row.folder, LOG_FILE).read_text().split("end ")[1].split()[0]), s["gpus"])
              for s, row in zip(seen, rows)]
     for a in spans:
@@ -346,6 +350,33 @@ def test_the_scenario_env_sets_a_dask_trials_threads_and_its_log_says_so(own_clu
     assert row.outcome == Outcome.COMPLETE
     assert where(Path(row.folder))["threads"] == "3"
     assert "CPU process of 3 threads" in Path(row.folder, LOG_FILE).read_text()
+
+
+def test_the_workers_of_one_host_share_its_threads(cluster: LocalDask) -> None:
+    """The module's two workers listen on one host: 1 + 2 threads; an address elsewhere has its own."""
+    client = cluster.client
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    for address, info in workers.items():
+        worker = SimpleNamespace(address=address, state=SimpleNamespace(nthreads=info["nthreads"]))
+        assert host_threads(client, worker) == 3  # type: ignore[arg-type]
+    elsewhere = SimpleNamespace(address="tcp://10.255.0.1:4000", state=SimpleNamespace(nthreads=4))
+    assert host_threads(client, elsewhere) == 4  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("nthreads", "offered", "host", "processes", "expected"), [
+    (4, {}, 4, 1, 4),  # the host's only worker: 16 cores, 4 trials at once
+    (4, {}, 16, 1, 1),  # one of four such workers (a LocalCluster): a quarter of the cores
+    (2, {}, 3, 2, 2),  # 2 of 3 host threads: 8 of 12 cores, 2 trials at once of 2 processes
+    (4, {"CPU": 8.0}, 16, 1, 2),  # a worker that offers cores takes those, whoever shares its host
+    (1, {}, 64, 1, 1),  # never below one thread
+])
+def test_a_dask_trial_takes_its_workers_share_of_the_host(monkeypatch: pytest.MonkeyPatch, nthreads: int,
+                                                          offered: dict[str, float], host: int, processes: int,
+                                                          expected: int) -> None:
+    monkeypatch.setattr(dask_executor, "usable_cores", lambda: 16 if processes == 1 else 12)
+    worker = SimpleNamespace(state=SimpleNamespace(nthreads=nthreads, total_resources=offered))
+    options = TaskOptions("t", Demand(0, 1, processes), ("CPU",) if offered else (), True, 30.0)
+    assert trial_threads(worker, options, host) == expected  # type: ignore[arg-type]
 
 
 def test_fractions_share_a_gpu_and_gpus_per_trial_takes_whole_ones() -> None:
