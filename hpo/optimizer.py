@@ -9,47 +9,47 @@ from the study incrementally (:class:`hpo.history.History`), so any number of th
 processes can share one storage.
 
 Like SMAC3's facades it is a portfolio. While the space is unconditional with at most 10
-searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`): the
-same random start (the same draws for the same seed), then the proposals Optuna's GP makes
-when told the costs through a fitted power transform, which keeps a heavy-tailed cost from
-hiding the region worth refining; unlike ``gp``, ``smac`` also learns from crashes, never
-repeats a configuration and turns to the forest once costs tie (below). For conditional or
+searched parameters and the history short, it is Optuna's GPSampler (:mod:`hpo.gp`): the same
+random start (the same draws for the same seed), then the proposals Optuna's GP makes when told
+the costs through a fitted power transform, which keeps a heavy-tailed cost from hiding the
+region worth refining; unlike ``gp``, ``smac`` also learns from crashes, never repeats a
+configuration and turns to the forest once costs tie on a grid (below). For conditional or
 larger spaces and long histories it is a scrambled Sobol design, then SMAC's random forest
 (:mod:`hpo.forest`), whose cost stays flat. On bench/optimizers.py (10 seeds) the GP is far
 ahead of the forest on the smooth spaces of 2 to 6 parameters and far behind it on the 20-D
-Branin (median regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100). The
-line at 10 was drawn in that gap; Ackley and Levy in 10-D, added later, keep it there: the GP
-(smac with ``model='gp'``) reached 5.3 and 2.6 on Ackley-10 against the forest's 7.3 and 4.9,
-and 17 and 6.7 on Levy-10 against 15 and 8.1 (median regret at 50 and 100 trials). The rules
-below keep their place in 8 to 10 dimensions too, though smac is behind Optuna's GP on those two
-(1.09x at 50 trials, 1.09x and 1.47x at 100): there the first tie comes between two corners of
-the box, and the GP alone without mean steps did better (20 seeds: 4.9 and 3.3 on Ackley-10,
-16 and 2.4 on Levy-10, against Optuna's GP's 5.0 and 3.4, 18 and 3.5). But on five functions
-of 8 to 10 dimensions added then, untuned, that rule was behind the rules as they are on three
-(Rastrigin-8 70 and 58 against 65 and 49, Michalewicz-10 6.3 and 6.0 against 6.0 and 4.9,
-Hartmann-6 among 8 parameters 0.0042 and 8.5e-5 against 0.0032 and 7.0e-6), and the rules as
-they are lead every anchor on all five (0.04x to 0.94x the best one's regret). Two narrower
-rules fared no better (20 seeds on the two, 10 on the others): ties between two full corners not
-counted as ties (Ackley-10 6.3 and 3.0, Levy-10 15 and 6.9; it cost Ackley-5 at 100 trials, 0.98
-against 0.74, and Michalewicz-5, 2.1 and 1.4 against 1.8 and 1.1); and a mean step skipped while
-the last two failed to beat the best cost and nothing has since (on Ackley-10 and Levy-10 they
-seldom do, on Branin and Hartmann-6 most do), which made the 50-trial cells worse (6.1 and 18).
+Branin (median regret 0.20 against 0.056 at 50 trials, 0.011 against 0.0016 at 100). The line at
+10 was drawn in that gap; Ackley and Levy in 10-D, added later, keep it there: the GP (smac with
+``model='gp'``) reached 5.3 and 2.6 on Ackley-10 against the forest's 7.3 and 4.9, and 17 and
+6.7 on Levy-10 against 15 and 8.1 (median regret at 50 and 100 trials). On those two smac fell
+behind Optuna's GP at 100 trials, and significantly so over 20 seeds (Ackley-10 4.0 against 3.5,
+Levy-10 7.2 against 3.9): the first tie of two costs, between two corners of the box, handed the
+GP's space to the forest, and the GP refined from a model of 20 costs in 10 dimensions. Ties now
+count only on a grid, and mean steps wait for 4 costs per parameter (both below): over the same
+20 seeds Ackley-10 reached 5.4 and 2.9, Levy-10 14.9 and 4.6 (Optuna's GP 4.8 and 3.5, 20 and
+3.9). Other rules did worse: the GP alone without mean steps in 8 to 10 dimensions was behind on
+three of five functions added then, untuned (Rastrigin-8, Michalewicz-10, Hartmann-6 among 8
+parameters); a mean step skipped while the last two failed to beat the best cost, mean steps
+every fifth trial in 8 to 10 dimensions, and mean steps only within 0.1 of each range of the
+best configuration did not mend Levy-10 (18 at 50 trials; 5.0 and 6.9 at 100).
 
-A GP assumes a smooth cost. An error counted over a few hundred validation examples is a
-step function instead: configurations tie exactly, and the forest, whose trees are step
-functions, models that better. So once two costs below the worst tie exactly, the forest
-proposes (the worst is left out: crashes and trials pruned below the budget share it). A
-smooth function ties only where the GP's exploration has spent trials on corners of equal
-cost (Michalewicz-5 is flat at its corners; Ackley-5's permuted corners tie), and there the
-forest does better too. On bench/optimizers.py (10 seeds; 50 and 100 trials) this moved
-smac's median regret, against the best of TPE, Optuna's GP and SMAC3, from 1.00x to 0.77x
-and 0.55x on an MLP on digits, from 1.20x and 1.25x to 1.10x and 1.13x on gradient boosting
-on breast cancer (half an example of 569), from 1.16x and 1.71x to 1.06x and 0.77x on
-Michalewicz-5, and from 1.00x to 0.94x and 0.54x on Ackley-5; no other cell moved. It cost
-the digits CNN of bench/multifidelity.py, tuned without a pruner, one validation example
-(median regret 0.0067 -> 0.0084, 10 seeds). Under a pruner (a history with trials stopped
-early) the GP keeps its space: there the forest lost two examples (smac + Hyperband 0.0042
--> 0.0076 against TPE + Hyperband's 0.0050).
+A GP assumes a smooth cost. An error counted over a few hundred validation examples is a step
+function instead: configurations tie exactly, and the forest, whose trees are step functions,
+models that better. So once two costs below the worst tie exactly and all of them lie on one
+grid (whole multiples of one step apart, as k errors of n are; :func:`on_a_grid`), the forest
+proposes (the worst is left out: crashes and trials pruned below the budget share it). On
+bench/optimizers.py (10 seeds; 50 and 100 trials) the rule moved smac's median regret, against
+the best of TPE, Optuna's GP and SMAC3, from 1.00x to 0.77x and 0.55x on an MLP on digits, and
+from 1.20x and 1.25x to 1.10x and 1.13x on gradient boosting on breast cancer (half an example
+of 569). A smooth function ties where the GP's exploration has spent trials on corners of equal
+cost (Michalewicz-5 is flat at its corners; Ackley-5's and Ackley-10's permuted corners tie).
+Counted as ties, such corners handed over to the forest, which did better in 5 dimensions and
+worse in 10 (above); off a grid they do not count, which costs Ackley-5 at 100 trials (median
+regret 1.2 against 0.74, 20 seeds; Optuna's GP 2.5) and Michalewicz-5 (2.0 and 1.4 against 1.9
+and 1.1; TPE 2.3 and 2.0) and takes Levy-4 at 100 trials from 0.032 to 0.00029. The rule cost
+the digits CNN of bench/multifidelity.py, tuned without a pruner, one validation example (median
+regret 0.0067 -> 0.0084, 10 seeds). Under a pruner (a history with trials stopped early) the GP
+keeps its space: there the forest lost two examples (smac + Hyperband 0.0042 -> 0.0076 against
+TPE + Hyperband's 0.0050).
 
 Where the GP's model is wrong the GP wanders: on Michalewicz-5, narrow valleys in a flat
 space, it spread its proposals over the box and 3 of 10 seeds found nothing better from
@@ -74,7 +74,12 @@ on Levy-4 from 0.25 and 0.034 to 0.098 and 0.017, on Rosenbrock-4 from 34 and 4.
 to 2.0 and 1.2; gradient boosting went from 11.5 and 11.0 errors of 569 to 11.0 and 11.0 and
 the MLP on digits kept its 11 and 9 of 797. Refining from the 10th cost on instead cost
 gradient boosting one error: on that step-valued cost refinements tie sooner and handed the
-space to the forest on a model of a dozen trials.
+space to the forest on a model of a dozen trials. A GP of 20 costs in 8 to 10 dimensions
+knows too little for its mean's minimum to be worth a trial, so the mean steps also wait for
+4 costs per searched parameter (32 in 8 dimensions, 40 in 10; Hartmann-6 and the MLP on
+digits wait for 24). With ties off a grid not counted, this took Levy-10 at 100 trials from
+6.1 to 4.6, Rosenbrock-8 at 50 from 2,814 to 1,629 and Ackley-10 at 100 from 2.8 to 2.9 (10
+seeds); it cost Hartmann-6 at 50 trials, 0.0013 against 0.0009 (20 seeds; Optuna's GP 0.0047).
 
 A forest that has met a choice only in bad configurations predicts it bad everywhere and may
 never try it again. On the SVM of bench/optimizers.py, seed 0's start design tried ``rbf``
@@ -144,7 +149,8 @@ class SmacSampler(BaseSampler):
         model: ``gp``, ``forest``, or ``auto``: the GP for unconditional spaces of at most
             ``gp_max_dims`` searched parameters while at most ``gp_max_points`` trials have a
             cost and, in a history without trials stopped early, no two costs below the worst
-            tie and the best cost is among the last ``gp_patience``; the forest otherwise.
+            tie on a grid and the best cost is among the last ``gp_patience``; the forest
+            otherwise.
         gp_max_dims: the most searched parameters the GP takes on.
         gp_max_points: the most observations the GP takes on (its cost grows as their cube).
         random_every: interleave a random configuration every this many trials (0: never).
@@ -158,9 +164,10 @@ class SmacSampler(BaseSampler):
             (0: never).
         gp_patience: with ``auto``, the forest proposes while the best cost is older than
             this many trials (0: never for that reason).
-        mean_every: once the GP has twice ``n_initial`` costs, every this many trials it
-            proposes where its posterior mean is lowest instead of where its expected
-            improvement is highest, unless that point was tried or is running (0: never).
+        mean_every: once the GP has twice ``n_initial`` costs and 4 per searched parameter,
+            every this many trials it proposes where its posterior mean is lowest instead of
+            where its expected improvement is highest, unless that point was tried or is
+            running (0: never).
     """
 
     def __init__(
@@ -294,7 +301,7 @@ class SmacSampler(BaseSampler):
         elif self._gp_serves(observations):
             self._gp = self._gp or GPProposer(self._codec, self._seed)
             refined = (self._mean_every > 0 and trial.number % self._mean_every == self._mean_every - 1
-                       and len(observations.y) >= 2 * self._n_initial)
+                       and len(observations.y) >= max(2 * self._n_initial, 4 * self._searched))
             params = self._gp.mean_minimum(observations) if refined else None
             return self._unseen_or_first(params or self._gp.propose(observations), observations.seen, rng)
         else:
@@ -319,8 +326,8 @@ class SmacSampler(BaseSampler):
 
     def _gp_serves(self, observations: Observations) -> bool:
         """Whether the GP makes this proposal: on its spaces, while the history is short and,
-        unless ``model='gp'`` or a trial was stopped early, no two costs tie and the GP has
-        not stalled (the best cost is among the last ``gp_patience``)."""
+        unless ``model='gp'`` or a trial was stopped early, no two costs tie on a grid and the
+        GP has not stalled (the best cost is among the last ``gp_patience``)."""
         if not self._gp_allowed or len(observations.y) > self._gp_max_points:
             return False
         if self._model == "gp":
@@ -358,10 +365,29 @@ class SmacSampler(BaseSampler):
 
 
 def _step_valued(costs: np.ndarray) -> bool:
-    """Whether two of ``costs`` below the worst one are equal, as errors counted over a finite
-    validation set come to be (crashes and trials pruned below the budget share the worst)."""
+    """Whether two of ``costs`` below the worst one are equal and all of them lie on one grid,
+    as errors counted over a finite validation set do (crashes and trials pruned below the
+    budget share the worst); a smooth function's equal costs (corners of a symmetric one) do not."""
     measured = costs[costs < costs.max()] if len(costs) else costs
-    return len(np.unique(measured)) < len(measured)
+    return len(np.unique(measured)) < len(measured) and on_a_grid(measured)
+
+
+def on_a_grid(values: np.ndarray, most_steps: float = 1e6) -> bool:
+    """Whether ``values`` are whole multiples of one step apart, with at most ``most_steps``
+    steps between the least and the greatest: their differences' greatest common divisor
+    (Euclid's algorithm, exact to a billionth of their span) is that large."""
+    distinct = np.unique(values)
+    span = float(distinct[-1] - distinct[0]) if len(distinct) else 0.0
+    if span == 0.0:
+        return True
+    tolerance, step = span * 1e-9, 0.0
+    for difference in np.diff(distinct):
+        a, b = max(step, float(difference)), min(step, float(difference))
+        while b > tolerance:
+            remainder = math.fmod(a, b)
+            a, b = b, (0.0 if b - remainder <= tolerance else remainder)
+        step = a
+    return span / step <= most_steps
 
 
 def _to_distribution(value: Any, distribution: BaseDistribution) -> Any:

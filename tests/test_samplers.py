@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 import pytest
 from optuna.testing.pytest_samplers import BasicSamplerTestCase, SingleOnlySamplerTestCase
@@ -17,7 +18,7 @@ from optuna.trial import TrialState
 
 from hpo import space
 from hpo.errors import InputError
-from hpo.optimizer import SmacSampler
+from hpo.optimizer import SmacSampler, on_a_grid
 from hpo.samplers import build_sampler, describe_pruner, make_pruner
 from hpo.scenario import Param, load_scenario
 
@@ -334,6 +335,35 @@ def test_step_valued_costs_turn_the_gps_space_to_the_forest(models_used: list[st
     assert len(set(_params(study))) == 16
 
 
+def test_equal_costs_off_a_grid_keep_the_gp(models_used: list[str]) -> None:
+    """Equal costs that do not lie on one grid with the others (the corners of a symmetric
+    smooth function) are no sign of a counted error: the GP keeps its space."""
+    params = {f"x{i}": Param(type="float", low=-1.0, high=1.0) for i in range(2)}
+
+    def corners_tie(values: dict[str, Any]) -> float:
+        x, y = abs(values["x0"]), abs(values["x1"])
+        return 0.5 if min(x, y) > 0.8 else x * x + math.sin(3 * y) ** 2
+
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    for corner in ({"x0": -1.0, "x1": -1.0}, {"x0": 1.0, "x1": 1.0}):
+        study.enqueue_trial(corner)
+    study.optimize(lambda trial: corners_tie(_suggest(params)(trial)), n_trials=16)
+    assert study.trials[0].value == study.trials[1].value < max(t.value for t in study.trials)
+    assert models_used and set(models_used) == {"gp"}
+
+
+@pytest.mark.parametrize(("values", "grid"), [
+    ([3 / 797, 7 / 797, 7 / 797, 30 / 797, 41 / 797], True),  # errors counted over 797 examples
+    ([k / 50_000 for k in (120, 133, 133, 7_001, 49_999)], True),
+    ([0.1234, 0.5678, 0.5678, 0.9], True),  # printed to 4 decimals
+    ([0.0], True),
+    ([0.1, math.pi / 10, math.e / 10, math.e / 10], False),  # smooth costs, two of them equal
+    ([1.0, 1.0 + 1e-7, 2.0], False),  # ten million steps apart
+])
+def test_costs_on_a_grid(values: list[float], grid: bool) -> None:
+    assert on_a_grid(np.array(values)) is grid
+
+
 def test_a_history_with_pruned_trials_keeps_the_gp_whatever_ties(models_used: list[str]) -> None:
     """Under a pruner the GP keeps its space even when costs tie (bench/multifidelity: the
     forest did worse there)."""
@@ -353,8 +383,9 @@ def test_a_history_with_pruned_trials_keeps_the_gp_whatever_ties(models_used: li
 
 
 def test_every_third_gp_proposal_is_where_its_mean_is_lowest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once the GP has 20 costs, every third trial (20, 23, ...) refines the best region (the
-    GP's posterior mean at its lowest); the others are the GP's expected-improvement proposals."""
+    """Once the GP has 20 costs (and 4 per parameter: more in 6 to 10 dimensions), every third
+    trial (20, 23, ...) refines the best region (the GP's posterior mean at its lowest); the
+    others are the GP's expected-improvement proposals."""
     from hpo.gp import GPProposer
 
     refined: dict[int, dict[str, Any]] = {}
@@ -374,11 +405,23 @@ def test_every_third_gp_proposal_is_where_its_mean_is_lowest(monkeypatch: pytest
         assert point is None or study.trials[number].params == point
 
 
+def test_in_eight_dimensions_the_first_mean_step_waits_for_32_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GP of 20 costs in 8 dimensions knows too little for its mean's minimum to be worth a
+    trial: the mean steps wait for 4 costs per parameter."""
+    from hpo.gp import GPProposer
+
+    asked: list[int] = []
+    real = GPProposer.mean_minimum
+    monkeypatch.setattr(GPProposer, "mean_minimum", lambda self, obs: asked.append(len(obs.y)) or real(self, obs))
+    params = {f"x{i}": Param(type="float", low=0.0, high=1.0) for i in range(8)}
+    study = optuna.create_study(sampler=build_sampler("smac", params, seed=0))
+    study.optimize(lambda trial: sum((v - 0.3) ** 2 for v in _suggest(params)(trial).values()), n_trials=36)
+    assert asked == [32, 35]
+
+
 def test_the_gp_is_shown_the_running_trials() -> None:
     """Other workers' running trials go to the GP as running trials (q-batch EI, see hpo.gp),
     so its proposal is not the one it makes from the finished trials alone."""
-    import numpy as np
-
     from hpo.codec import Codec, keys
     from hpo.gp import GPProposer
     from hpo.history import Observations
