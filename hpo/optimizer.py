@@ -28,9 +28,10 @@ count only on a grid, and mean steps wait for 4 costs per parameter (both below)
 20 seeds Ackley-10 reached 5.4 and 2.9, Levy-10 14.9 and 4.6 (Optuna's GP 4.8 and 3.5, 20 and
 3.9). Other rules did worse: the GP alone without mean steps in 8 to 10 dimensions was behind on
 three of five functions added then, untuned (Rastrigin-8, Michalewicz-10, Hartmann-6 among 8
-parameters); a mean step skipped while the last two failed to beat the best cost, mean steps
-every fifth trial in 8 to 10 dimensions, and mean steps only within 0.1 of each range of the
-best configuration did not mend Levy-10 (18 at 50 trials; 5.0 and 6.9 at 100).
+parameters); and these did not mend Levy-10: a mean step skipped while the last two failed to
+beat the best cost (18 at 50 trials, 20 seeds), mean steps every fifth trial in 8 to 10
+dimensions (5.0 at 100, 10 seeds) and mean steps only within 0.1 of each range of the best
+configuration (6.9 at 100, 10 seeds).
 
 A GP assumes a smooth cost. An error counted over a few hundred validation examples is a step
 function instead: configurations tie exactly, and the forest, whose trees are step functions,
