@@ -141,6 +141,14 @@ def resampled_ratios(one: np.ndarray, many: np.ndarray, size: int, draws: int = 
     return np.median(many[picked], axis=1) / np.median(one[picked], axis=1)
 
 
+def regret_cells(final: np.ndarray) -> str:
+    """The table cells of the runs' final regrets: their median, how many are trapped in a
+    local optimum, and the median of the others."""
+    untrapped = final[final <= TRAPPED]
+    return (f"{np.median(final):>14.4f} {len(final) - len(untrapped):>8} "
+            f"{np.median(untrapped) if len(untrapped) else math.nan:>17.4f}")
+
+
 def in_process(workers: int, trials: int, seeds: range, method: str) -> None:
     """Print the in-process comparison (see the module docstring)."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -151,11 +159,8 @@ def in_process(workers: int, trials: int, seeds: range, method: str) -> None:
     print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'median untrapped':>17} {'duplicates':>11}")
     curves = {count: np.array([r[0] for r in runs]) for count, runs in results.items()}
     for count, runs in results.items():
-        regrets = curves[count][:, trials - 1]
-        untrapped = regrets[regrets <= TRAPPED]
         repeated = sum(duplicates(r[1][:trials]) for r in runs)
-        print(f"{count:>8} {np.median(regrets):>14.4f} {len(regrets) - len(untrapped):>8} "
-              f"{np.median(untrapped) if len(untrapped) else math.nan:>17.4f} {repeated:>11}")
+        print(f"{count:>8} {regret_cells(curves[count][:, trials - 1])} {repeated:>11}")
     one, many = (curves[count][:, trials - 1] for count in results)
     ratios = resampled_ratios(one, many, min(10, len(one)))
     print(f"regret ratio {workers} workers / 1 worker: {np.median(many) / np.median(one):.2f} "
@@ -199,17 +204,16 @@ def main() -> None:
           f"{args.sleep:g} s per trial")
     print(f"{'workers':>8} {'median regret':>14} {'trapped':>8} {'median untrapped':>17} {'duplicates':>11} "
           f"{'trials/hour':>12}")
+    finals = {workers: np.array([r[0][-1] for r in runs]) for workers, runs in results.items()}
     for workers, runs in results.items():
-        untrapped = [r[0][-1] for r in runs if r[0][-1] <= TRAPPED]
-        print(f"{workers:>8} {statistics.median(r[0][-1] for r in runs):>14.4f} {len(runs) - len(untrapped):>8} "
-              f"{statistics.median(untrapped) if untrapped else math.nan:>17.4f} "
+        print(f"{workers:>8} {regret_cells(finals[workers])} "
               f"{sum(r[1] for r in runs):>11} {statistics.median(r[2] for r in runs):>12.0f}")
     for workers, runs in results.items():
         print(f"regret by seed, {workers} worker{'s' if workers > 1 else ''}: " + " ".join(f"{r[0][-1]:.3g}" for r in runs))
-    one, many = (statistics.median(r[0][-1] for r in results[w]) for w in results)
+    one, many = (float(np.median(finals[w])) for w in results)
     speed = statistics.median(r[2] for r in results[args.workers]) / statistics.median(r[2] for r in results[1])
     print(f"regret ratio {args.workers} workers / 1 worker: {many / one:.2f} (goal <= 1.2)   throughput x{speed:.2f}")
-    ratios = resampled_ratios(*(np.array([r[0][-1] for r in results[w]]) for w in results), len(args.seeds))
+    ratios = resampled_ratios(finals[1], finals[args.workers], len(args.seeds))
     low, high = np.quantile(ratios, [0.05, 0.95])
     print(f"the seeds resampled 2000 times: the ratio from {low:.2f} to {high:.2f} (5th to 95th percentile), "
           f"within 1.2 in {np.mean(ratios <= 1.2):.0%}; how many runs are trapped moves it most")
