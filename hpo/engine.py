@@ -567,7 +567,9 @@ class _TrialRunner:
     def settle(self, claim: Claim, result: TrialResult) -> None:
         """Record how ``claim`` ended (back to WAITING if it never started; nothing if another
         worker ended it first: :meth:`_ended_elsewhere`); a record that the stop left undone
-        (it needed the ask lock: :func:`_ends_lock_wait`) is said."""
+        (it needed the ask lock: :func:`_ends_lock_wait`) is said. A record that the store's
+        outage kept undone leaves the trial held until the worker exits, so that its own watchdog
+        does not judge it lost: a resume records it from its folder."""
         if self._never_started(claim, result):
             self.claims.release(claim)
             return
@@ -586,8 +588,10 @@ class _TrialRunner:
                           f"lock, which the sweep stopped waiting for; it shows RUNNING until the study is resumed, "
                           f"which records it from {claim.folder}")
             raise
-        finally:
+        except BaseException:
             self.claims.drop(claim.number)
+            raise
+        self.claims.drop(claim.number)
         fault_point("settled", claim.number)
 
 

@@ -216,6 +216,10 @@ def test_a_store_that_stays_down_stops_the_sweep(tmp_path: Path, write_scenario:
     # failure it sees, after one or two trials; nothing was recorded, all is left for a resume
     assert sweep.stopping and 1 <= len(executor.specs) <= 2
     assert {r.outcome for r in sweep.store.rows()} <= {Outcome.RUNNING, Outcome.WAITING}
+    # the unrecorded trial stays this worker's until it exits: its own watchdog, had it a round
+    # left before it stopped, does not judge it lost
+    sweep.watchdog.round(beat=True)
+    assert {r.outcome for r in sweep.store.rows()} <= {Outcome.RUNNING, Outcome.WAITING}
 
 
 def test_a_trial_whose_templates_do_not_render_leaves_its_folder_and_reason(
