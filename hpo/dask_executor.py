@@ -295,6 +295,14 @@ def gpu_pool() -> GpuPool:
         return _POOL
 
 
+def scheduler_identity(client: Client) -> dict[str, Any]:
+    """The scheduler's description of itself and of every worker, fetched now. Not
+    ``client.scheduler_info()``: that returns the client's cached copy, which the client's
+    periodic refresh replaces with one that lists no worker, and may replace between its
+    fetch and its return; an OSError it meets is swallowed and the old copy returned."""
+    return client.sync(client.scheduler.identity, n_workers=-1)
+
+
 def _within(seconds: float, call: Callable[[], Any], default: Any) -> Any:
     """``call()`` (in a thread), or ``default`` where it raised or did not return within
     ``seconds`` (a scheduler that does not answer)."""
@@ -517,7 +525,7 @@ def host_threads(client: Client, worker: Worker) -> int:
     scheduler knows them (its own alone where the scheduler does not answer within 10 s); a
     host is its workers' address without the port."""
     host = get_address_host(worker.address)
-    workers = _within(10.0, lambda: client.scheduler_info(n_workers=-1)["workers"], {})
+    workers = _within(10.0, lambda: scheduler_identity(client)["workers"], {})
     return sum(int(info.get("nthreads", 0)) for address, info in workers.items()
                if get_address_host(address) == host) or worker.state.nthreads
 
@@ -724,7 +732,7 @@ class _Watch:
                           f"{self._patience:g} s for it")
             return
         try:
-            info = self._client.scheduler_info()
+            info = scheduler_identity(self._client)
         except Exception:  # unreachable for now: the client's own timeout decides when it is gone
             logger.debug("cannot read the workers of %s", self._address, exc_info=True)
             return
@@ -830,7 +838,7 @@ class DaskExecutor:
         self.demand = Demand.of(resources)
         self._resources = resources
         if offered is None:
-            infos = client.scheduler_info()["workers"].values()
+            infos = scheduler_identity(client)["workers"].values()
             offered = sorted({name for info in infos for name in info.get("resources", {})})
         restricted = tuple(name for name in ("GPU", "CPU") if name in offered)
         self.options = TaskOptions(f"hpo-{client.id}", self.demand, restricted, shared, scheduler_lost_s)
@@ -862,7 +870,7 @@ class DaskExecutor:
         """Trials the cluster runs at once (given, or what the workers connected now take)."""
         if self._capacity is not None:
             return self._capacity
-        return sum(self._takes(info) for info in self.client.scheduler_info()["workers"].values())
+        return sum(self._takes(info) for info in scheduler_identity(self.client)["workers"].values())
 
     def _takes(self, info: Mapping[str, Any]) -> int:
         """Trials the worker of ``info`` (as the scheduler describes it) runs at once."""
@@ -1370,7 +1378,7 @@ def open_cluster(cluster: Cluster, resources: Resources, timeout: float | None =
         client = Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError) as exc:
         raise InputError(f"{unreachable}: {exc}") from None
-    if not client.scheduler_info()["workers"]:
+    if not scheduler_identity(client)["workers"]:
         say(f"waiting for a Dask worker to join the scheduler at {address}")
         try:
             client.wait_for_workers(1)

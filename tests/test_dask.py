@@ -35,6 +35,7 @@ from hpo.dask_executor import (
     host_threads,
     nothing_listens,
     open_cluster,
+    scheduler_identity,
     trial_threads,
     worker_gpus,
 )
@@ -324,7 +325,7 @@ def test_trials_run_inside_the_gpu_worker_on_its_own_gpus(cluster: LocalDask, wr
         "the sweep says the GPU the worker gave each trial (it said '1 CPU process of 1 thread')"
     pids = cluster.pids()
     seen = [where(Path(row.folder)) for row in rows]
-    gpu_worker = next(address for address, info in cluster.client.scheduler_info()["workers"].items()
+    gpu_worker = next(address for address, info in scheduler_identity(cluster.client)["workers"].items()
                       if info["name"] == "gpu")
     assert {s["worker"] for s in seen} == {gpu_worker}
     assert {int(s["ppid"]) for s in seen} == {pids[gpu_worker]}
@@ -355,12 +356,25 @@ def test_the_scenario_env_sets_a_dask_trials_threads_and_its_log_says_so(own_clu
 def test_the_workers_of_one_host_share_its_threads(cluster: LocalDask) -> None:
     """The module's two workers listen on one host: 1 + 2 threads; an address elsewhere has its own."""
     client = cluster.client
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_identity(client)["workers"]
+    assert len(workers) == 2
     for address, info in workers.items():
         worker = SimpleNamespace(address=address, state=SimpleNamespace(nthreads=info["nthreads"]))
         assert host_threads(client, worker) == 3  # type: ignore[arg-type]
     elsewhere = SimpleNamespace(address="tcp://10.255.0.1:4000", state=SimpleNamespace(nthreads=4))
     assert host_threads(client, elsewhere) == 4  # type: ignore[arg-type]
+
+
+def test_the_workers_are_read_from_the_scheduler_not_the_clients_cache(cluster: LocalDask,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's periodic refresh leaves a cached identity that lists no worker, and may leave
+    it between ``scheduler_info``'s fetch and its return: hpo never reads that cache."""
+    client = cluster.client
+    monkeypatch.setattr(client, "scheduler_info", lambda *args, **kwargs: {"id": "cached", "workers": {}})
+    assert len(scheduler_identity(client)["workers"]) == 2
+    address, info = next(iter(scheduler_identity(client)["workers"].items()))
+    worker = SimpleNamespace(address=address, state=SimpleNamespace(nthreads=info["nthreads"]))
+    assert host_threads(client, worker) == 3  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("nthreads", "offered", "host", "processes", "expected"), [
