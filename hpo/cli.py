@@ -204,7 +204,9 @@ def _snapshot(ctx: Context) -> list[Any]:
     scenario = ctx.scenario
     raw = rowcache.quiet_rows(ctx.storage, scenario.name, rowcache.objective_of(scenario.objective))
     if raw is None:
-        return _store(ctx).snapshot()
+        from hpo.snapshot import snapshot  # imports Optuna, which an answer from the cache alone spares
+
+        return snapshot(_store(ctx))
     return presented(raw, scenario.parameters)
 
 

@@ -51,7 +51,6 @@ SYS_STARTING, SYS_TAKEN_BACK = "hpo:starting", "hpo:taken_back"
 """The token of the claim that its worker is about to start, and of the claim that another worker
 takes back because it found that worker gone (:meth:`hpo.scheduler.Scheduler.may_start`)."""
 STUDY_PARAMETERS, STUDY_SCENARIO, STUDY_HELD_OUT, STUDY_CREATED = "parameters", "scenario", "held_out", "created"
-SNAPSHOT_FETCH_LIMIT = 500
 T = TypeVar("T")
 _LEGACY_RUN, _LEGACY_RESULT = "run", "result"
 _LEGACY_SYS = {ATTR_RETRY_OF: "hpo:retry_of", ATTR_RETRIES: "hpo:retries", ATTR_DESIGN_INDEX: "hpo:design_index"}
@@ -219,6 +218,9 @@ class StudyStore:
             started), so its first contact is skipped: a refused connection is an outage.
         reader: for a command that reads the study (``hpo status``): a full disk is not waited
             out (:class:`hpo.storage.Retrying`), as no sweep's outage of it ends by waiting.
+
+    ``study_id`` is the storage's id of the study, and ``quiet_stamp`` the SQLite store's files
+    as they were before it was opened (:func:`hpo.rowcache.quiet_stamp`), for :mod:`hpo.snapshot`.
     """
 
     def __init__(self, scenario: Scenario, url: str, *, create: bool = True,
@@ -233,7 +235,7 @@ class StudyStore:
                              full_disk_waits=not reader)
         self._ids: dict[int, int] = {}
         self._finished: dict[int, TrialRow] = {}
-        self._quiet = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
+        self.quiet_stamp = rowcache.quiet_stamp(url)  # before the store is opened: opening creates SQLite's log
         local = local_path(url)
         if not create and local is not None and not local.exists():
             raise NoStudy(f"no study named {scenario.name}: {local} does not exist (run `hpo run` first)")
@@ -264,7 +266,7 @@ class StudyStore:
         if metrics is not None and metrics != [scenario.objective.metric]:
             raise InputError(f"objective.metric: the study {scenario.name} was run on {', '.join(metrics)}, not "
                              f"{scenario.objective.metric}; a new metric needs a new study (another name)")
-        self._study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
+        self.study_id = self.call(self._storage.get_study_id_from_name, scenario.name)
 
     def use_sampler(self, sampler: optuna.samplers.BaseSampler) -> None:
         """Propose the study's new trials with ``sampler`` from now on (:meth:`ask`)."""
@@ -351,66 +353,21 @@ class StudyStore:
             raw.append(row)
         return presented(raw, self.scenario.parameters)
 
-    def snapshot(self) -> list[TrialRow]:
-        """Every trial as a :class:`TrialRow`, reading from the storage only the unfinished
-        trials and those finished since the last snapshot (:mod:`hpo.rowcache`); for
-        commands that read a long study once (status, export, best)."""
-        if not isinstance(self._storage, optuna.storages.RDBStorage):
-            return self.rows()
-        storage, sid = self._storage, self._study_id
-        path, key, judged = rowcache.cache_path(self.url, self.scenario.name), self._cache_key(), \
-            rowcache.objective_of(self.scenario.objective)
-        cache = rowcache.load(path)
-        cached = {row.number: row for row in cache.finished} if cache is not None and cache.key == key else {}
-        rows = {t.number: read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False,
-                                                             states=(TrialState.RUNNING, TrialState.WAITING))}
-        known = set(cached) | set(rows)
-        count = self._count_trials(max(known, default=-1) + 1)
-        missing = [n for n in range(count) if n not in known]
-        if len(missing) > SNAPSHOT_FETCH_LIMIT:
-            fresh = [read_row(t) for t in self.call(storage.get_all_trials, sid, deepcopy=False)]
-        else:
-            fresh = [read_row(self.call(storage.get_trial, self._id(n))) for n in missing]
-        for row in fresh:
-            (cached if row.outcome.ended else rows)[row.number] = row
-        unfinished = tuple(row for _, row in sorted(rows.items()))
-        if any(row.outcome.ended for row in fresh) or cache is None or cache.key != key or \
-                (self._quiet is not None and (cache.stamp, cache.unfinished) != (self._quiet, unfinished)):
-            rowcache.save(path, rowcache.Cached(key, judged, [row for _, row in sorted(cached.items())],
-                                               self._quiet, unfinished))
-        return presented([row for _, row in sorted({**cached, **rows}.items())], self.scenario.parameters)
-
-    def _cache_key(self) -> str:
-        """What tells this study apart from another of the same name at the same URL."""
-        created = self.call(self._storage.get_study_user_attrs, self._study_id).get(STUDY_CREATED, "")
-        return f"{self.scenario.name}:{self._study_id}:{created}"
-
-    def _count_trials(self, at_least: int) -> int:
-        """How many trials the study has (numbers are 0..n-1), probing upwards from ``at_least``."""
-        def exists(number: int) -> bool:
-            try:
-                self._id(number)
-            except KeyError:
-                return False
-            return True
-
-        return _count(exists, at_least)
-
     def constants(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with the scenario's constants that apply to them added."""
         return space.with_constants(self.scenario.parameters, params)
 
-    def _id(self, number: int) -> int:
+    def trial_id(self, number: int) -> int:
         """The storage's id of trial ``number``; KeyError if there is no such trial."""
         if number not in self._ids:
             self._ids[number] = self.call(self._storage.get_trial_id_from_study_id_trial_number,
-                                          self._study_id, number)
+                                          self.study_id, number)
         return self._ids[number]
 
     def trial(self, number: int) -> FrozenTrial:
         """The trial numbered ``number``, read now; InputError if there is none."""
         try:
-            return self.call(self._storage.get_trial, self._id(number))
+            return self.call(self._storage.get_trial, self.trial_id(number))
         except KeyError:
             raise InputError(f"trial {number}: no such trial in study {self.scenario.name}") from None
 
@@ -432,7 +389,7 @@ class StudyStore:
         running = self._numbers(TrialState.RUNNING)
 
         def landed() -> optuna.Trial | None:
-            return next((optuna.trial.Trial(self.study, self._id(number))
+            return next((optuna.trial.Trial(self.study, self.trial_id(number))
                          for number in sorted(self._numbers(TrialState.RUNNING, retried=False) - running)), None)
 
         trial = self._once(self.study.ask, landed)
@@ -443,7 +400,7 @@ class StudyStore:
         """Claim the WAITING trial ``number`` itself (not the first in the queue); InputError
         when another worker claimed it first. Under the lock, a retry through an outage finds
         the trial RUNNING only if an earlier attempt claimed it."""
-        trial_id = self._id(number)
+        trial_id = self.trial_id(number)
 
         def landed() -> bool | None:
             if self._ask_lock.mine() is None:
@@ -471,7 +428,7 @@ class StudyStore:
         """The numbers of the trials in ``state`` now (read through an outage if ``retried``);
         the storage filters them, so this costs those trials, not the whole study."""
         read = self.call if retried else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
-        return {t.number for t in read(self._storage.get_all_trials, self._study_id, deepcopy=False, states=(state,))}
+        return {t.number for t in read(self._storage.get_all_trials, self.study_id, deepcopy=False, states=(state,))}
 
     def _once(self, make: Callable[[], T], landed: Callable[[], T | None]) -> T:
         """``make()`` through an outage, made once: before each retry ``landed()`` returns
@@ -489,11 +446,11 @@ class StudyStore:
 
     def set_attr(self, number: int, key: str, value: Any) -> None:
         """Set one user attribute of an unfinished trial."""
-        self.call(self._storage.set_trial_user_attr, self._id(number), key, value)
+        self.call(self._storage.set_trial_user_attr, self.trial_id(number), key, value)
 
     def set_system(self, number: int, key: str, value: Any) -> None:
         """Set one of hpo's system attributes (claims, starts, heartbeats, stop requests)."""
-        self.call(self._storage.set_trial_system_attr, self._id(number), key, value)
+        self.call(self._storage.set_trial_system_attr, self.trial_id(number), key, value)
 
     def beat(self, number: int) -> bool:
         """Mark trial ``number`` alive now; False (nothing marked) if it has ended."""
@@ -549,7 +506,7 @@ class StudyStore:
 
     def _set_state(self, number: int, state: TrialState, values: list[float] | None = None) -> bool:
         try:
-            return bool(self.call(self._storage.set_trial_state_values, self._id(number), state, values))
+            return bool(self.call(self._storage.set_trial_state_values, self.trial_id(number), state, values))
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
 
@@ -583,25 +540,6 @@ class StudyStore:
             raise InputError(f"trial {number}: it is {read_row(trial).state}, not running or queued")
         self.set_system(number, SYS_STOP, time.time())
         return trial
-
-
-def _count(exists: Callable[[int], bool], at_least: int) -> int:
-    """The first number ``n`` for which ``exists(n)`` is False, where it is True for every number
-    below ``n`` and False for every one above (0 if ``exists(at_least - 1)`` is False): a doubling
-    search from ``at_least``, then a bisection, in O(log n) calls."""
-    if at_least > 0 and not exists(at_least - 1):
-        return 0
-    low, step = at_least, 1
-    while exists(low + step - 1):
-        low, step = low + step, step * 2
-    high = low + step - 1
-    while low < high:
-        middle = (low + high) // 2
-        if exists(middle):
-            low = middle + 1
-        else:
-            high = middle
-    return low
 
 
 def check_resume(scenario: Scenario, url: str, allow_space_change: bool = False) -> str | None:

@@ -16,6 +16,7 @@ from hpo import rowcache
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import TrialRow, presented, row_from_list, row_to_list
 from hpo.scenario import Scenario, load_scenario
+from hpo.snapshot import snapshot
 from hpo.store import StudyStore
 
 WriteScenario = Callable[..., Path]
@@ -62,7 +63,7 @@ def test_a_quiet_store_answers_from_the_file_alone(scenario: Scenario, tmp_path:
     writer = study(scenario, url)
     assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None  # nothing cached yet
     age(url)
-    read = StudyStore(scenario, url, create=False).snapshot()
+    read = snapshot(StudyStore(scenario, url, create=False))
     quiet = rowcache.quiet_rows(url, "demo", "minimize val_error")
     assert quiet is not None and presented(quiet, scenario.parameters) == read == writer.rows()
     assert [r.outcome for r in quiet] == [Outcome.COMPLETE, Outcome.COMPLETE, Outcome.FAIL, Outcome.WAITING,
@@ -75,12 +76,12 @@ def test_any_write_since_the_cache_sends_readers_to_the_store(scenario: Scenario
     url = f"sqlite:///{tmp_path}/q.db"
     writer = study(scenario, url)
     age(url)
-    StudyStore(scenario, url, create=False).snapshot()
+    snapshot(StudyStore(scenario, url, create=False))
     writer.record(3, TrialResult(Outcome.COMPLETE, 0.1), "f")
     assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None  # written just now: not quiet
     age(url)  # the same age as before, but the files are not as they were
     assert rowcache.quiet_rows(url, "demo", "minimize val_error") is None
-    fresh = StudyStore(scenario, url, create=False).snapshot()
+    fresh = snapshot(StudyStore(scenario, url, create=False))
     assert [r.value for r in fresh][:4] == [0.3, 0.2, None, 0.1]
     quiet = rowcache.quiet_rows(url, "demo", "minimize val_error")
     assert quiet is not None and presented(quiet, scenario.parameters) == fresh

@@ -12,13 +12,13 @@ import sqlalchemy
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from hpo import rowcache, space
+from hpo import space
 from hpo.errors import InputError
 from hpo.outcome import Outcome, TrialResult
 from hpo.rows import TrialRow, best_row, repeat_of
 from hpo.scenario import Scenario, load_scenario
 from hpo.storage import local_path, open_storage
-from hpo.store import SYS_STARTED, StudyStore, _count, check_resume, read_row, result_attrs
+from hpo.store import SYS_STARTED, StudyStore, check_resume, read_row, result_attrs
 
 WriteScenario = Callable[..., Path]
 DIST = {"x": FloatDistribution(0.0, 1.0)}
@@ -346,47 +346,6 @@ def test_best_row(values: list[float | None], direction: str, best: int | None) 
     assert (found.number if found else None) == best
 
 
-
-def test_snapshot_reads_what_is_new_and_matches_rows(scenario: Scenario, tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/snap.db"
-    store = StudyStore(scenario, url)
-    store.describe("name: demo\n")
-    for value in (0.3, 0.2, 0.1):
-        trial = store.ask()
-        trial.suggest_float("x", 0.0, 1.0)
-        store.record(trial.number, TrialResult(Outcome.COMPLETE, value, {"test_error": value}), "f")
-    running = store.ask()
-    running.suggest_float("x", 0.0, 1.0)
-    store.enqueue({"x": 0.5}, {"requeue_of": 0})
-    reader = StudyStore(scenario, url, create=False)
-    assert reader.snapshot() == store.rows()
-    cache = tmp_path / "snap.db.demo.hpo-rows.json"
-    cached = rowcache.load(cache)
-    assert cached is not None and [row.number for row in cached.finished] == [0, 1, 2]
-    store.record(running.number, TrialResult(Outcome.FAIL, reason="exit code 1"), "f")
-    for value in (0.05, 0.04):
-        trial = store.ask()
-        trial.suggest_float("x", 0.0, 1.0)
-        store.record(trial.number, TrialResult(Outcome.COMPLETE, value), "f")
-    fresh = StudyStore(scenario, url, create=False)
-    assert fresh.snapshot() == store.rows()
-    assert [r.outcome for r in fresh.snapshot()][3:] == [Outcome.FAIL, Outcome.COMPLETE, Outcome.COMPLETE]
-
-
-def test_a_recreated_study_does_not_read_the_old_cache(scenario: Scenario, tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/snap.db"
-    store = StudyStore(scenario, url)
-    store.describe("x")
-    trial = store.ask()
-    trial.suggest_float("x", 0.0, 1.0)
-    store.record(trial.number, TrialResult(Outcome.COMPLETE, 0.5), "f")
-    assert [r.value for r in StudyStore(scenario, url, create=False).snapshot()] == [0.5]
-    optuna.delete_study(study_name="demo", storage=url)
-    again = StudyStore(scenario, url)
-    again.describe("x")
-    assert StudyStore(scenario, url, create=False).snapshot() == []
-
-
 def _drops_once(monkeypatch: pytest.MonkeyPatch, store: StudyStore, method: str, *, work_done: bool = True
                 ) -> list[str]:
     """The connection drops once during the storage's ``method``: after it did its work (the
@@ -481,18 +440,3 @@ def test_a_completed_trial_keeps_its_note_apart_from_the_reason() -> None:
         trial = create_trial(value=0.2, params={}, distributions={}, user_attrs={k: v for k, v in user.items() if v is not None})
         row = read_row(trial)
         assert (row.reason, row.note) == ("", "held-out test_error was nan: not recorded")
-
-
-@pytest.mark.parametrize("trials", [0, 1, 2, 7, 8, 9, 500])
-@pytest.mark.parametrize("known", [0, 1, 5, 8, 9, 600])
-def test_counting_trials_probes_from_the_highest_known_in_few_reads(trials: int, known: int) -> None:
-    """A study's trials are numbered 0..n-1: the count is found from ``known`` (one past the highest
-    number a cache holds) by doubling then bisecting, in O(log n) reads of single trials."""
-    probed: list[int] = []
-
-    def exists(number: int) -> bool:
-        probed.append(number)
-        return number < trials
-
-    assert _count(exists, known) == (0 if known > trials else trials)
-    assert len(probed) <= 2 * max(trials - known, 1).bit_length() + 2
