@@ -50,7 +50,7 @@ def snapshot(store: StudyStore) -> list[TrialRow]:
 
 
 def _exists(store: StudyStore) -> Callable[[int], bool]:
-    """Whether ``store``'s study has a trial of a number."""
+    """A test of whether ``store``'s study has the trial of a given number (its storage id is found)."""
     def exists(number: int) -> bool:
         try:
             store.trial_id(number)
