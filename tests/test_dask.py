@@ -726,8 +726,11 @@ def test_the_scheduler_dying_ends_trials_on_their_workers_and_the_sweep_keeps_wh
     runs = {name: Running(executor, trial_spec(tmp_path / name, held(hold), f"gone-{name}"), Control())
             for name, hold in holds.items()}
     try:
-        wait_for(lambda: sum("held" in run.log() for run in runs.values()) == 2, "two trials did not start")
-        queued = next(name for name, run in runs.items() if "held" not in run.log())
+        # started as the sweep knows it: the start reached its side through the scheduler, not only
+        # the trial's log (under load the scheduler can stop while that message is on its way)
+        wait_for(lambda: sum("held" in run.log() and run.control.gpus is not None for run in runs.values()) == 2,
+                 "two trials did not start")
+        queued = next(name for name, run in runs.items() if run.control.gpus is None)
         done, killed = (name for name in "abc" if name != queued)
         own_cluster.scheduler.send_signal(signal.SIGSTOP)
         holds[done].unlink()
