@@ -371,8 +371,9 @@ def test_the_workers_are_read_from_the_scheduler_not_the_clients_cache(cluster: 
     it between ``scheduler_info``'s fetch and its return: hpo never reads that cache."""
     client = cluster.client
     monkeypatch.setattr(client, "scheduler_info", lambda *args, **kwargs: {"id": "cached", "workers": {}})
-    assert len(scheduler_identity(client)["workers"]) == 2
-    address, info = next(iter(scheduler_identity(client)["workers"].items()))
+    workers = scheduler_identity(client)["workers"]
+    assert len(workers) == 2
+    address, info = next(iter(workers.items()))
     worker = SimpleNamespace(address=address, state=SimpleNamespace(nthreads=info["nthreads"]))
     assert host_threads(client, worker) == 3  # type: ignore[arg-type]
 
